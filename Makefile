@@ -1,0 +1,37 @@
+# Set-up and entry points. Every target creates or reuses the virtual environment in $(VENV).
+PYTHON ?= python3
+VENV ?= .venv
+# Installed only when the venv has no torch yet; on a GPU cluster pick the build for your CUDA, e.g.
+# make TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+DEMO_DIR ?= demo
+DEMO_ARGS ?=
+DEMO_MIN_ACCURACY ?= 0.9
+
+.PHONY: demo test clean
+
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first: with it in place, requirements.txt's torch>=2.6 is already met and pip pulls no other build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m fsdp_recipes.demo prepare --out_dir $(DEMO_DIR)
+	$(BIN)/python -m fsdp_recipes.demo evaluate --model $(DEMO_DIR)/base_model --data $(DEMO_DIR)/eval.jsonl
+	$(BIN)/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml --main_process_port 0 \
+		recipes/llama_sft.py --config recipes/configs/demo.yaml --model_name_or_path $(DEMO_DIR)/base_model \
+		--dataset_name $(DEMO_DIR)/train.jsonl --output_dir $(DEMO_DIR)/output $(DEMO_ARGS)
+	$(BIN)/python -m fsdp_recipes.demo evaluate --model $(DEMO_DIR)/output/final --data $(DEMO_DIR)/eval.jsonl \
+		--min_accuracy $(DEMO_MIN_ACCURACY)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) demo

@@ -1,0 +1,139 @@
+"""The training config: one dataclass, filled from a recipe's YAML and overridden on the command line.
+
+Field names follow `transformers.TrainingArguments` wherever the concept is the same, so that a Hugging Face
+user can read a recipe's YAML without a glossary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import yaml
+from transformers import HfArgumentParser
+
+
+@dataclass
+class TrainConfig:
+    # Model and tokenizer: a hub id or a local folder, both through `from_pretrained`.
+    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Hub id or local folder of the model."})
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer hub id or folder; defaults to model_name_or_path."}
+    )
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2."})
+
+    # Data.
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "Hub id, a local json/jsonl/csv/parquet file, or a saved datasets folder."}
+    )
+    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config name of a hub data set."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    max_seq_length: int = field(default=1024, metadata={"help": "Longer examples are truncated."})
+
+    # Optimisation.
+    output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps; -1 means use num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs, when max_steps is -1."})
+    per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per rank per micro-batch."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and norms)."})
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
+    seed: int = 42
+
+    # Sharding and precision.
+    fsdp_version: Optional[int] = field(
+        default=None, metadata={"help": "2 (fully_shard). Default: the accelerate config's, else 2."}
+    )
+    fsdp_transformer_layer_cls_to_wrap: Optional[str] = field(
+        default=None, metadata={"help": "Comma-separated layer classes; default: the model's _no_split_modules."}
+    )
+    mixed_precision: Optional[Literal["bf16", "no"]] = field(
+        default=None,
+        metadata={"help": "bf16: bf16 compute, fp32 master weights and reduction. Default: accelerate's, else bf16."},
+    )
+    save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
+        default="auto", metadata={"help": "dtype of the exported model; auto: the dtype of the model as loaded."}
+    )
+
+    # Logging and saving.
+    logging_steps: int = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    save_steps: int = field(default=0, metadata={"help": "Save a checkpoint every N steps; 0: only at the end."})
+    report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "none or wandb (rank 0 logs)."})
+    run_name: Optional[str] = field(default=None, metadata={"help": "W&B run name."})
+    wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "Checkpoint folder to resume."})
+
+    def __post_init__(self):
+        required = {"model_name_or_path": self.model_name_or_path, "dataset_name": self.dataset_name}
+        for name, value in required.items():
+            if not value:
+                raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
+        positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"max_steps must be -1 (use num_train_epochs) or positive, got {self.max_steps}")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ConfigError(f"num_train_epochs must be positive when max_steps is -1, got {self.num_train_epochs}")
+        if self.fsdp_version not in (None, 2):
+            raise ConfigError(f"fsdp_version must be 2, got {self.fsdp_version}")
+        if self.resume_from_checkpoint:
+            raise ConfigError("resume_from_checkpoint is not supported yet: remove it (see README, 'Not done yet')")
+        if self.save_steps:
+            raise ConfigError("save_steps is not supported yet: set it to 0 (see README, 'Not done yet')")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """A config value the user must change; the message says which and how."""
+
+
+def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys.")
+
+
+def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
+    """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field."""
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    known, rest = pre.parse_known_args(argv)
+
+    # No abbreviations: --max_step must not silently mean --max_steps.
+    parser = HfArgumentParser(config_cls, allow_abbrev=False)
+    parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
+    field_names = [f.name for f in dataclasses.fields(config_cls)]
+    if known.config:
+        with open(known.config) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{known.config} must hold a mapping of config keys, got {type(values).__name__}")
+        for key in values:
+            if key not in field_names:
+                raise _unknown_key_error(key, known.config, field_names)
+        parser.set_defaults(**values)
+
+    namespace, remaining = parser.parse_known_args(rest)
+    for arg in remaining:
+        if arg.startswith("--"):
+            raise _unknown_key_error(arg[2:].split("=")[0], "the command line", field_names)
+    if remaining:
+        raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
+    values = {k: v for k, v in vars(namespace).items() if k in field_names}
+    return config_cls(**values)

@@ -1,0 +1,81 @@
+"""Process group set-up and a deterministic shutdown, for every launcher.
+
+`accelerate launch`, `torchrun` and a plain `python` all end up here: the launchers set RANK, WORLD_SIZE and
+LOCAL_RANK, a plain run gets a one-process group so that the same FSDP code runs in every case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistEnv:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # gloo beside nccl: CPU tensors (offloaded state, object collectives) need a CPU backend too.
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        # No launcher: a one-process group in memory, so no port is taken.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+@contextlib.contextmanager
+def distributed(timeout_minutes: int = 30):
+    """Yield a DistEnv; on the way out, every rank leaves together and the process group is destroyed.
+
+    Without the final barrier and destroy, a gloo rank can abort at interpreter exit ("terminate called without an
+    active exception") after all the work is done, and the launcher reports the whole run as failed.
+    """
+    env = init_distributed(timeout_minutes)
+    try:
+        yield env
+        dist.barrier()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        dist.destroy_process_group()
+
+
+def print_rank0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+@contextlib.contextmanager
+def main_process_first():
+    """Rank 0 runs the body first (e.g. to fill a cache), the others run it after."""
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()

@@ -1,0 +1,51 @@
+"""Supervised fine-tuning of a Llama model with FSDP, exported as a Hugging Face folder.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/llama_sft.py \
+        --config recipes/configs/llama_sft.yaml --model_name_or_path meta-llama/Llama-3.2-1B --dataset_name <data>
+
+Copying this recipe for another model: change the defaults in its YAML config; the sections below stay as they are.
+"""
+
+import os
+
+from transformers import set_seed
+
+from fsdp_recipes.checkpoint import save_hf_model
+from fsdp_recipes.cli import run_main
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.data import build_train_dataset
+from fsdp_recipes.distributed import distributed, print_rank0
+from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.model import export_dtype, load_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import describe_plan, shard_model
+from fsdp_recipes.trainer import train
+
+
+def main():
+    cfg = parse_config()
+    plan = resolve_plan(cfg)
+    with distributed() as env:
+        set_seed(cfg.seed)
+
+        # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
+        tokenizer = load_tokenizer(cfg)
+        train_dataset = build_train_dataset(cfg, tokenizer)
+
+        # Model: fp32 master weights, every decoder layer sharded, then the root.
+        model = load_model(cfg)
+        shard_model(model, plan)
+        print_rank0("sharding plan:\n" + describe_plan(model, plan))
+
+        # Training.
+        logger = MetricsLogger(cfg, env.is_main, extra_config={"sharding_plan": vars(plan)})
+        train(cfg, env, model, tokenizer, train_dataset, logger)
+        logger.close()
+
+        # Export: a folder that AutoModelForCausalLM.from_pretrained loads.
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg))
+        print_rank0(f"saved {cfg.output_dir}/final")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,72 @@
+"""Shared test helpers: tiny models and data written to temporary folders, and subprocess launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_recipes import demo
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(**extra: str) -> dict:
+    env = os.environ.copy()
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], expect_rc: int = 0, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in the repository root; on an unexpected exit code, fail with its output."""
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != expect_rc:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}, expected {expect_rc}\n"
+                    f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def torchrun(script: str | Path, *args, nproc: int = 2, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                script, *args], **kw)
+
+
+def accelerate_launch(config_file: str, script: str, *args, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+                "--main_process_port", "0", script, *args], **kw)
+
+
+def write_tiny_model(path: Path, dtype=torch.bfloat16, **config_overrides) -> Path:
+    tokenizer = demo.build_tokenizer()
+    torch.manual_seed(0)
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, **config_overrides)).to(dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A 2-layer Llama (untied and tied embeddings) with the demo tokenizer, and 256 demo examples."""
+    root = tmp_path_factory.mktemp("tiny")
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    train, _ = demo.make_split(seed=1, n_train=256, n_eval=0)
+    demo.write_jsonl(root / "train.jsonl", train)
+    return {
+        "model": write_tiny_model(root / "model", **small),
+        "tied_model": write_tiny_model(root / "tied_model", tie_word_embeddings=True, **small),
+        "data": root / "train.jsonl",
+        "root": root,
+    }
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -1,0 +1,50 @@
+"""`make demo`, the README's first command: generate, train with FSDP2 on 2 processes, export, reload, evaluate."""
+
+import json
+import re
+import sys
+
+from transformers import AutoModelForCausalLM
+
+from conftest import read_metrics, run
+
+
+def make_demo(tmp_path, *args):
+    return run(["make", "demo", f"VENV={sys.prefix}", f"DEMO_DIR={tmp_path}", *args])
+
+
+def accuracy_of(stdout: str, model_dir) -> float:
+    match = re.search(rf"held-out accuracy of {re.escape(str(model_dir))}: ([\d.]+)%", stdout)
+    assert match, stdout
+    return float(match.group(1)) / 100
+
+
+def test_demo_at_reduced_size(tmp_path):
+    proc = make_demo(tmp_path, "DEMO_ARGS=--max_steps 40 --logging_steps 10", "DEMO_MIN_ACCURACY=0")
+    layers = json.loads((tmp_path / "base_model" / "config.json").read_text())["num_hidden_layers"]
+    assert f"wrapped: {layers} x LlamaDecoderLayer, then the root" in proc.stdout
+    assert "precision: bf16 compute, fp32 master weights, fp32 gradient reduction" in proc.stdout
+    assert "over 2 ranks" in proc.stdout
+    assert accuracy_of(proc.stdout, tmp_path / "base_model") < 0.05
+
+    metrics = read_metrics(tmp_path / "output" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [10, 20, 30, 40]
+    for m in metrics:
+        assert {"step", "loss", "learning_rate", "grad_norm", "tokens", "tokens_per_second"} <= m.keys()
+        assert m["tokens"] > 0 and m["tokens_per_second"] > 0 and m["grad_norm"] > 0
+    assert metrics[-1]["loss"] < 0.8 * metrics[0]["loss"]
+
+    final = tmp_path / "output" / "final"
+    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "chat_template.jinja"]:
+        assert (final / name).is_file(), name
+    assert not (tmp_path / "output" / "final.tmp").exists()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_full_demo_learns_the_task(tmp_path):
+    """The demo as the README runs it; make fails unless held-out accuracy reaches 90%."""
+    proc = make_demo(tmp_path)
+    assert accuracy_of(proc.stdout, tmp_path / "base_model") < 0.05
+    assert accuracy_of(proc.stdout, tmp_path / "output" / "final") >= 0.9

@@ -1,0 +1,44 @@
+"""The exported Hugging Face folder holds exactly the trained weights: logits are bit-equal after a reload."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from conftest import torchrun
+
+
+@pytest.mark.parametrize("model_key", ["model", "tied_model"])
+def test_export_reloads_with_logits_equal_to_gathered_weights(tiny, tmp_path, model_key):
+    torchrun("tests/drivers/export_check.py", tmp_path, "--model_name_or_path", tiny[model_key],
+             "--dataset_name", tiny["data"], "--output_dir", tmp_path / "run", "--max_steps", "3",
+             "--per_device_train_batch_size", "4", "--learning_rate", "1e-2")
+    gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)
+    config = AutoConfig.from_pretrained(tiny[model_key])
+    inputs = torch.randint(5, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    for dtype, folder in [(torch.bfloat16, "final_bf16"), (torch.float32, "final_fp32")]:
+        path = tmp_path / folder
+        for name in ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"]:
+            assert (path / name).is_file(), f"{folder} lacks {name}"
+        assert json.loads((path / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            stored = set(f.keys())
+            assert {f.get_tensor(k).dtype for k in stored} == {dtype}
+        reloaded = AutoModelForCausalLM.from_pretrained(path).eval()
+        assert next(reloaded.parameters()).dtype == dtype
+
+        reference = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        missing, unexpected = reference.load_state_dict({k: v.to(dtype) for k, v in gathered.items()}, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}
+        if config.tie_word_embeddings:
+            assert "lm_head.weight" not in stored  # written once
+            assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+        with torch.no_grad():
+            assert torch.equal(reloaded(inputs).logits, reference(inputs).logits)
+        # The weights did move away from the initial checkpoint: the check compares trained weights.
+        initial = AutoModelForCausalLM.from_pretrained(tiny[model_key], dtype=dtype).eval()
+        with torch.no_grad():
+            assert not torch.equal(initial(inputs).logits, reference(inputs).logits)

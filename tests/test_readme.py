@@ -1,0 +1,61 @@
+"""Every command the README shows runs here (the GPU command with local stand-ins for the hub model and data)."""
+
+import re
+import shlex
+import sys
+
+from conftest import REPO, read_metrics, run
+
+
+def readme_commands() -> list[str]:
+    """Shell commands from the README's bash blocks, with line continuations joined."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("#")[0].strip()
+            if command:
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+def test_readme_shows_the_commands_the_tests_run():
+    # make demo and make test are run by test_demo.py and by CI itself.
+    assert readme_commands()[:2] == ["make demo", "make test"]
+
+
+def test_gpu_command_runs_with_local_model_and_data(tiny, tmp_path):
+    [command] = [c for c in readme_commands() if c.startswith("accelerate launch")]
+    args = shlex.split(command)
+    local = {"meta-llama/Llama-3.2-1B": str(tiny["model"]), "my_data.jsonl": str(tiny["data"]),
+             "outputs/llama": str(tmp_path / "out")}
+    args = [local.get(a, a) for a in args]
+    assert args[:4] == ["accelerate", "launch", "--config_file", "accelerate_configs/fsdp2.yaml"]
+    # The GPU config asks for 8 processes; run 2 here, on a free port, for 2 short steps.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", *args[2:4], "--num_processes", "2",
+              "--main_process_port", "0", *args[4:],
+              "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64"]
+    proc = run(launch)
+    assert "over 2 ranks" in proc.stdout
+    assert [m["step"] for m in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [2]
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_recipe_runs_under_torchrun_and_alone(tiny, tmp_path):
+    common = ["recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
+              "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--max_steps", "2",
+              "--per_device_train_batch_size", "2", "--max_seq_length", "64", "--logging_steps", "1"]
+    alone = run([sys.executable, *common, "--output_dir", tmp_path / "alone"])
+    assert "over 1 ranks" in alone.stdout
+    launched = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common,
+                    "--output_dir", tmp_path / "torchrun"])
+    assert "over 2 ranks" in launched.stdout
+    for out in ["alone", "torchrun"]:
+        assert [m["step"] for m in read_metrics(tmp_path / out / "metrics.jsonl")] == [1, 2]
+
+
+def test_help_lists_the_config_keys():
+    proc = run([sys.executable, "recipes/llama_sft.py", "--help"])
+    for key in ["--model_name_or_path", "--dataset_name", "--gradient_accumulation_steps", "--config"]:
+        assert key in proc.stdout
