@@ -49,8 +49,13 @@ def test_recipe_runs_under_torchrun_and_alone(tiny, tmp_path):
     alone = run([sys.executable, *common, "--output_dir", tmp_path / "alone"])
     assert "over 1 ranks" in alone.stdout
     launched = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common,
-                    "--output_dir", tmp_path / "torchrun"])
+                    "--output_dir", tmp_path / "torchrun", "--report_to", "wandb"], WANDB_DIR=str(tmp_path))
     assert "over 2 ranks" in launched.stdout
+    # Only rank 0 creates a W&B run, and it holds the logged metrics.
+    [wandb_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = wandb_file.read_bytes()
+    for key in [b"loss", b"grad_norm", b"tokens_per_second", b"learning_rate"]:
+        assert key in logged
     for out in ["alone", "torchrun"]:
         assert [m["step"] for m in read_metrics(tmp_path / out / "metrics.jsonl")] == [1, 2]
 
