@@ -5,16 +5,18 @@ Sources and splits live in `data_sources`, formats and loss masks in `data_forma
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from datetime import timedelta
+from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
 from .data_sources import carve_eval, load_sources, parse_column_mapping, weighted_sample
-from .distributed import main_process_first, print_rank0
+from .distributed import print_rank0
 
 def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
     return tokenize_example(example, row=row, **kwargs)
@@ -64,11 +66,42 @@ def pack_examples(batch: dict[str, list], max_seq_length: int) -> dict[str, list
     return packed
 
 
+T = TypeVar("T")
+
+
+def on_rank0_first(build: Callable[[], T]) -> T:
+    """Rank 0 runs `build` (filling the datasets cache) while the others wait, then they run it from the cache.
+
+    They wait on a gloo group of their own with a one-day timeout: tokenizing a large data set can take longer than
+    the default group's timeout, which is meant for training collectives. If rank 0 fails, every rank stops with
+    its error instead of waiting or crashing in a collective.
+    """
+    if dist.get_world_size() == 1:
+        return build()
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    failure: list[Optional[str]] = [None]
+    try:
+        if dist.get_rank() == 0:
+            try:
+                result = build()
+            except Exception as error:
+                failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed to build the data: {error!r}"
+                dist.broadcast_object_list(failure, src=0, group=group)
+                raise
+            dist.broadcast_object_list(failure, src=0, group=group)
+            return result
+        dist.broadcast_object_list(failure, src=0, group=group)
+        if failure[0] is not None:
+            raise ConfigError(failure[0])
+        return build()
+    finally:
+        dist.destroy_process_group(group)
+
+
 def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optional[datasets.Dataset]]:
     """Tokenized (and, with `packing`, packed) training set, and the tokenized eval set or None.
 
-    Rank 0 does the work first and fills the datasets cache; the other ranks then read the cache, so a long
-    tokenization never keeps them waiting inside a collective.
+    Rank 0 builds first and fills the datasets cache; the other ranks then read it (see on_rank0_first).
     """
     names = [n.strip() for n in cfg.dataset_name.split(",")]
     weights = [float(w) for w in cfg.dataset_weights.split(",")] if cfg.dataset_weights else [1.0] * len(names)
@@ -78,7 +111,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         print_rank0("data: the tokenizer has no chat template; using the default (ChatML layout with the tokenizer's "
                     "EOS), saved with the model")
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    with main_process_first():
+
+    def build():
         sources = load_sources(names, cfg.dataset_config_name, cfg.dataset_split, cfg.eval_split,
                                parse_column_mapping(cfg.dataset_column_mapping))
         train_parts, eval_parts = [], []
@@ -104,6 +138,9 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
             )
             print_rank0(f"data: packed {n_examples} examples into {len(train)} sequences of at most "
                         f"{cfg.max_seq_length} tokens")
+        return train, eval_set
+
+    train, eval_set = on_rank0_first(build)
     print_rank0(f"data: train {len(train)} {'sequences' if cfg.packing else 'examples'}"
                 + (f", eval {len(eval_set)} examples" if eval_set is not None else ", no eval split"))
     return train, eval_set

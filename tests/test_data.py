@@ -1,6 +1,7 @@
 """Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
 import json
+import re
 
 import datasets
 import pytest
@@ -9,13 +10,13 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from fsdp_recipes import demo
-from fsdp_recipes.config import ConfigError, TrainConfig
+from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
                                optimizer_step_batches, pack_examples)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example
 from fsdp_recipes.trainer import token_loss_sum
 
-from conftest import read_metrics, torchrun
+from conftest import REPO, read_metrics, torchrun
 
 TOKENIZER = demo.build_tokenizer()
 
@@ -261,7 +262,28 @@ def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_p
                     "--max_steps", "6", "--logging_steps", "3", "--output_dir", tmp_path / "out")
     # 256 - 25 held out = 231 x 0.5 = 116 (rounded), 37 - 3 held out = 34: 150 examples packed.
     assert "packed 150 examples into" in proc.stdout and "eval 28 examples" in proc.stdout
+    # Rank 0 tokenized; rank 1 read its cache (no second progress bar).
+    assert proc.stderr.count(f"Tokenizing {tiny['data']} [train]: 100%") == 1, proc.stderr
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [3, 6]
     for m in metrics:
         assert 0.5 < m["real_token_share"] <= 1 and m["input_tokens"] <= 4 * 2 * 64
+
+
+def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
+    demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, CHAT, {"messages": [{"role": "user"}]}])
+    proc = torchrun("recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
+                    tmp_path / "msgs.jsonl", "--output_dir", tmp_path / "out", expect_rc=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 2: message 0 needs a string 'role' and a string "
+                      "'content', got {'role': 'user'}"] * 2, proc.stderr
+    assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
+
+
+def test_readme_data_example_is_a_valid_config(tmp_path):
+    text = (REPO / "README.md").read_text()
+    [block] = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    (tmp_path / "data.yaml").write_text(block)
+    config = parse_config(["--config", str(tmp_path / "data.yaml"), "--model_name_or_path", "m"])
+    assert config.dataset_name == "chats.jsonl,my_org/instructions" and config.dataset_weights == "1,0.5"
+    assert (config.eval_fraction, config.packing, config.overlong_examples) == (0.05, False, "truncate")
