@@ -150,12 +150,18 @@ def build_train_dataset(cfg: TrainConfig, tokenizer) -> datasets.Dataset:
     return build_datasets(cfg, tokenizer)[0]
 
 
-def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of the batch, not to max_seq_length.
 
     `attention_mask` marks the real tokens. Packed rows also carry `position_ids`; padding then continues as one
     more short sequence of its own (positions 0, 1, ...), which carries no loss and which no real token sees.
+    With `flatten`, packed rows are concatenated into a single row without padding instead.
     """
+    if flatten:
+        keys = ("input_ids", "labels", "position_ids")
+        batch = {key: torch.tensor([[value for ex in examples for value in ex[key]]]) for key in keys}
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
     length = max(len(ex["input_ids"]) for ex in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
@@ -193,11 +199,14 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
             f"{world_size} ranks: lower per_device_train_batch_size or add data"
         )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    # Flash attention finds example boundaries in position_ids only in a batch of one row (transformers'
+    # _is_packed_sequence), so there packed rows become one row; sdpa and eager handle any batch size.
+    flatten = cfg.packing and "flash" in cfg.attn_implementation
     return DataLoader(
         dataset.with_format(None),
         batch_size=cfg.per_device_train_batch_size,
         sampler=sampler,
-        collate_fn=lambda examples: collate(examples, tokenizer.pad_token_id),
+        collate_fn=lambda examples: collate(examples, tokenizer.pad_token_id, flatten),
         drop_last=True,
     )
 

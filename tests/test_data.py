@@ -104,6 +104,10 @@ def test_pack_restarts_positions_and_masks_the_first_label_of_each_example():
     batch = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0)
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]  # padding: a segment of its own
     assert set(model_inputs(batch)) == {"input_ids", "position_ids"}
+    flat = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0, flatten=True)
+    assert flat["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert flat["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7, 8, 9]]
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -120,8 +124,11 @@ def test_packed_logits_equal_each_example_alone(tiny, attn):
         packed_logits = model(**model_inputs(batch)).logits
         alone = [model(input_ids=torch.tensor([ex])).logits[0] for ex in examples]
         plain_causal = model(input_ids=batch["input_ids"]).logits  # attention crossing the boundary
+        flat_logits = model(**model_inputs(collate([{k: v[i] for k, v in packed.items()} for i in range(2)],
+                                                   TOKENIZER.pad_token_id, flatten=True))).logits
     pieces = [packed_logits[0, :7], packed_logits[0, 7:19], packed_logits[1, :5]]
-    deviation = max((p - a).abs().max().item() for p, a in zip(pieces, alone))
+    flat_pieces = [flat_logits[0, :7], flat_logits[0, 7:19], flat_logits[0, 19:]]
+    deviation = max((p - a).abs().max().item() for p, a in zip(pieces + flat_pieces, alone + alone))
     print(f"{attn}: max |packed - alone| logit deviation {deviation:.2e}")
     assert deviation < 1e-5
     assert (plain_causal[0, 7:19] - alone[1]).abs().max() > 1e-2  # the check can fail
