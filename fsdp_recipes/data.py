@@ -18,7 +18,9 @@ from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, to
 from .data_sources import carve_eval, load_sources, parse_column_mapping, weighted_sample
 from .distributed import print_rank0
 
+
 def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
+    # map(with_indices=True) passes the row number as the second positional argument.
     return tokenize_example(example, row=row, **kwargs)
 
 
@@ -49,7 +51,7 @@ def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what
 
 
 def pack_examples(batch: dict[str, list], max_seq_length: int) -> dict[str, list]:
-    """Greedy packing in order: append examples to a sequence while they fit in max_seq_length.
+    """Greedy packing in the given order: append examples to a sequence while they fit in max_seq_length.
 
     position_ids restart at 0 for each example, which is how transformers tells the examples apart (block-diagonal
     attention for sdpa/eager, varlen for flash attention). The first label of each example is masked: it would be
@@ -85,7 +87,8 @@ def on_rank0_first(build: Callable[[], T]) -> T:
             try:
                 result = build()
             except Exception as error:
-                failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed to build the data: {error!r}"
+                failure[0] = (str(error) if isinstance(error, ConfigError)
+                              else f"rank 0 failed to build the data: {error!r}")
                 dist.broadcast_object_list(failure, src=0, group=group)
                 raise
             dist.broadcast_object_list(failure, src=0, group=group)

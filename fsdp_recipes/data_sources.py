@@ -101,9 +101,10 @@ def load_sources(names: list[str], config_name: Optional[str], split: str, eval_
     found = sorted({c for train, _ in sources for c in train.column_names})
     for source in column_mapping:
         if source not in found:
-            raise ConfigError(f"dataset_column_mapping renames '{source}', which no data set has; columns found: {found}")
-    return [(rename_columns(train, column_mapping), None if held_out is None else rename_columns(held_out, column_mapping))
-            for train, held_out in sources]
+            raise ConfigError(f"dataset_column_mapping renames '{source}', which no data set has; "
+                              f"columns found: {found}")
+    rename = lambda dataset: None if dataset is None else rename_columns(dataset, column_mapping)
+    return [(rename(train), rename(held_out)) for train, held_out in sources]
 
 
 def carve_eval(dataset: datasets.Dataset, fraction: float, seed: int, name: str):

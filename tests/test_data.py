@@ -159,8 +159,10 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     table.to_csv(tmp_path / "d.csv", index=False)
     table.to_parquet(tmp_path / "d.parquet")
     table.save_to_disk(tmp_path / "saved")
+    (tmp_path / "folder").mkdir()
+    demo.write_jsonl(tmp_path / "folder" / "part.jsonl", ROWS)  # read by load_dataset(name), as a Hub id is
     expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
-    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved"]:
+    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder"]:
         train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
         assert list(train["input_ids"]) == expected, name
         assert eval_set is None
