@@ -54,9 +54,13 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
         builder = _FILE_BUILDERS.get(os.path.splitext(name)[1])
         if builder is None:
             raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
+        if os.path.getsize(name) == 0:
+            raise ConfigError(f"{name} is empty: it holds no examples")
         try:
             dataset = datasets.load_dataset(builder, data_files={"train": name}, split="train")
         except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
+            if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
+                raise ConfigError(f"{name} holds no examples") from None
             raise _parse_error(name, error) from error
     elif os.path.isdir(name) and _is_saved_folder(name):
         dataset = datasets.load_from_disk(name)

@@ -222,11 +222,13 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, {"messages": [{"role": "user", "content": 3}]}])
     demo.write_jsonl(tmp_path / "nolist.jsonl", [{"messages": []}])
     demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
+    (tmp_path / "header_only.csv").write_text("prompt,completion\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
-        (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl"),
+        (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
+        (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"found the columns \['question', 'answer'\]; expected chat: messages"),
         (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 1: message 0 needs a string 'role' and a string"),
         (cfg(tmp_path / "nolist.jsonl"), r"row 0: 'messages' must be a non-empty list"),
