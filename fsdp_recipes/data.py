@@ -110,6 +110,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     weights = [float(w) for w in cfg.dataset_weights.split(",")] if cfg.dataset_weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")
+    if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
+        raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
     if tokenizer.chat_template is None:
         print_rank0("data: the tokenizer has no chat template; using the default (ChatML layout with the tokenizer's "
                     "EOS), saved with the model")

@@ -218,6 +218,7 @@ def bad_input_cases(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n')
     (tmp_path / "bad.json").write_text('[{"text": "a"},\n {"text": }]\n')
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
     demo.write_jsonl(tmp_path / "cols.jsonl", [{"question": "a", "answer": "b"}])
     demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, {"messages": [{"role": "user", "content": 3}]}])
     demo.write_jsonl(tmp_path / "nolist.jsonl", [{"messages": []}])
@@ -227,6 +228,7 @@ def bad_input_cases(tmp_path):
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
+        (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, .*Expected 2 fields in line 3, saw 3"),
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"found the columns \['question', 'answer'\]; expected chat: messages"),
