@@ -300,3 +300,10 @@ def test_readme_data_example_is_a_valid_config(tmp_path):
     config = parse_config(["--config", str(tmp_path / "data.yaml"), "--model_name_or_path", "m"])
     assert config.dataset_name == "chats.jsonl,my_org/instructions" and config.dataset_weights == "1,0.5"
     assert (config.eval_fraction, config.packing, config.overlong_examples) == (0.05, False, "truncate")
+
+
+def test_eval_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"eval_fraction must be in \[0, 1\), got 1.5"):
+        cfg("d.jsonl", eval_fraction=1.5)
+    with pytest.raises(ConfigError, match="set eval_split or eval_fraction, not both"):
+        cfg("d.jsonl", eval_fraction=0.1, eval_split="test")
