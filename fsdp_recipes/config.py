@@ -27,13 +27,39 @@ class TrainConfig:
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2."})
 
-    # Data.
+    # Data (see README, "Data").
     dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "Hub id, a local json/jsonl/csv/parquet file, or a saved datasets folder."}
+        default=None,
+        metadata={"help": "Hub id, a local json/jsonl/csv/parquet file, or a saved datasets folder; several, "
+                          "comma-separated, for a mixture."},
+    )
+    dataset_weights: Optional[str] = field(
+        default=None,
+        metadata={"help": "Comma-separated, one per dataset_name: a data set contributes round(weight x its size) "
+                          "examples (a seeded sample; above 1 repeats it). Default: 1 each."},
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config name of a hub data set."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
-    max_seq_length: int = field(default=1024, metadata={"help": "Longer examples are truncated."})
+    eval_split: Optional[str] = field(default=None, metadata={"help": "Held-out split of a hub or saved data set."})
+    eval_fraction: float = field(
+        default=0.0, metadata={"help": "Hold out this fraction of the training split (seeded), when no eval_split."}
+    )
+    dataset_format: Literal["auto", "chat", "instruction", "prompt_completion", "text"] = field(
+        default="auto", metadata={"help": "auto: detected from the columns."}
+    )
+    dataset_column_mapping: Optional[str] = field(
+        default=None, metadata={"help": "Rename columns, e.g. 'question=prompt,answer=completion'."}
+    )
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "Loss on assistant turns and completions only; false: on every token."}
+    )
+    max_seq_length: int = field(default=1024, metadata={"help": "Longest sequence in tokens."})
+    overlong_examples: Literal["truncate", "drop"] = field(
+        default="truncate", metadata={"help": "What to do with an example longer than max_seq_length."}
+    )
+    packing: bool = field(
+        default=False, metadata={"help": "Pack several examples per sequence; attention stays within each example."}
+    )
 
     # Optimisation.
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
@@ -87,6 +113,10 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be -1 (use num_train_epochs) or positive, got {self.max_steps}")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise ConfigError(f"num_train_epochs must be positive when max_steps is -1, got {self.num_train_epochs}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_split and self.eval_fraction:
+            raise ConfigError("set eval_split or eval_fraction, not both")
         if self.fsdp_version not in (None, 2):
             raise ConfigError(f"fsdp_version must be 2, got {self.fsdp_version}")
         if self.resume_from_checkpoint:

@@ -1,127 +1,199 @@
-"""Data: load a data set, render each example to text, tokenize it with a loss mask, and batch it per rank."""
+"""Data: load the sources, tokenize each example with its loss mask, pack, and batch it per rank.
+
+Sources and splits live in `data_sources`, formats and loss masks in `data_formats`; this module puts them together.
+"""
 
 from __future__ import annotations
 
-import os
-from typing import Iterator, Optional
+from datetime import timedelta
+from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
-from .distributed import main_process_first, print_rank0
-
-IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding)
-
-_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-_FORMATS = {
-    "chat": ["messages"],
-    "instruction": ["instruction", "output"],
-    "prompt_completion": ["prompt", "completion"],
-    "text": ["text"],
-}
+from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
+from .data_sources import carve_eval, load_sources, parse_column_mapping, weighted_sample
+from .distributed import print_rank0
 
 
-def load_raw_dataset(name: str, config_name: Optional[str] = None, split: str = "train") -> datasets.Dataset:
-    """A hub id, a local data file, or a folder written by `Dataset.save_to_disk`."""
-    if os.path.isfile(name):
-        builder = _FILE_BUILDERS.get(os.path.splitext(name)[1])
-        if builder is None:
-            raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
-        dataset = datasets.load_dataset(builder, data_files={split: name}, split=split)
-    elif os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_info.json")):
-        dataset = datasets.load_from_disk(name)
-        if isinstance(dataset, datasets.DatasetDict):
-            dataset = dataset[split]
-    else:
-        dataset = datasets.load_dataset(name, config_name, split=split)
-    if len(dataset) == 0:
-        raise ConfigError(f"{name} (split {split}) holds no examples")
-    return dataset
+def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
+    # map(with_indices=True) passes the row number as the second positional argument.
+    return tokenize_example(example, row=row, **kwargs)
 
 
-def detect_format(columns: list[str]) -> str:
-    for fmt, needed in _FORMATS.items():
-        if all(c in columns for c in needed):
-            return fmt
-    expected = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in _FORMATS.items())
-    raise ConfigError(f"cannot tell the data format from the columns {columns}; expected one of: {expected}")
+def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what: str) -> datasets.Dataset:
+    """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts."""
+    try:
+        tokenized = raw.map(
+            _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
+            fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
+                       "completion_only_loss": cfg.completion_only_loss},
+        )
+    except ConfigError as error:
+        raise ConfigError(f"{what}: {error}") from None
+    overlong = sum(tokenized["overlong"])
+    drop_overlong = cfg.overlong_examples == "drop"
+    # The first token is never predicted, so a label there alone teaches nothing.
+    kept = tokenized.filter(
+        lambda labels, long: not (drop_overlong and long) and any(l != IGNORE_INDEX for l in labels[1:]),
+        input_columns=["labels", "overlong"], desc=f"Filtering {what}",
+    ).remove_columns("overlong")
+    no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
+    print_rank0(f"data: {what}: {len(raw)} examples ({fmt}), {overlong} longer than max_seq_length="
+                f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
+                f"having no label tokens, {len(kept)} kept")
+    if len(kept) == 0:
+        raise ConfigError(f"{what}: no example is left to train on (see the counts above)")
+    return kept
 
 
-def _to_messages(example: dict, fmt: str) -> list[dict]:
-    if fmt == "chat":
-        return example["messages"]
-    user = example["instruction"]
-    if example.get("input"):
-        user = f"{user}\n\n{example['input']}"
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
+def pack_examples(batch: dict[str, list], max_seq_length: int) -> dict[str, list]:
+    """Greedy packing in the given order: append examples to a sequence while they fit in max_seq_length.
+
+    position_ids restart at 0 for each example, which is how transformers tells the examples apart (block-diagonal
+    attention for sdpa/eager, varlen for flash attention). The first label of each example is masked: it would be
+    predicted from the previous example's last token.
+    """
+    packed = {"input_ids": [], "labels": [], "position_ids": []}
+    for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
+        if not packed["input_ids"] or len(packed["input_ids"][-1]) + len(input_ids) > max_seq_length:
+            for key in packed:
+                packed[key].append([])
+        packed["input_ids"][-1].extend(input_ids)
+        packed["labels"][-1].extend([IGNORE_INDEX] + labels[1:])
+        packed["position_ids"][-1].extend(range(len(input_ids)))
+    return packed
 
 
-def _render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """The example as one string, and the character spans that carry loss (assistant turns, completions)."""
-    if fmt == "text":
-        text = example["text"] + tokenizer.eos_token
-        return text, [(0, len(text))]
-    if fmt == "prompt_completion":
-        text = example["prompt"] + example["completion"] + tokenizer.eos_token
-        return text, [(len(example["prompt"]), len(text))]
-    messages = _to_messages(example, fmt)
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    text = render(messages, False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt, turn = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (text.startswith(prompt) and text.startswith(turn)):
-            raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes")
-        spans.append((len(prompt), len(turn)))
-    return text, spans
+T = TypeVar("T")
 
 
-def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int) -> dict:
-    """input_ids and labels of one example; labels are IGNORE_INDEX where no loss is taken."""
-    text, spans = _render_with_loss_spans(example, fmt, tokenizer)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = encoded["input_ids"][:max_seq_length]
-    labels = [
-        token if any(start <= char_start < end for start, end in spans) else IGNORE_INDEX
-        for token, (char_start, _) in zip(input_ids, encoded["offset_mapping"])
-    ]
-    return {"input_ids": input_ids, "labels": labels}
+def on_rank0_first(build: Callable[[], T]) -> T:
+    """Rank 0 runs `build` (filling the datasets cache) while the others wait, then they run it from the cache.
+
+    They wait on a gloo group of their own with a one-day timeout: tokenizing a large data set can take longer than
+    the default group's timeout, which is meant for training collectives. If rank 0 fails, every rank stops with
+    its error instead of waiting or crashing in a collective.
+    """
+    if dist.get_world_size() == 1:
+        return build()
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    failure: list[Optional[str]] = [None]
+    try:
+        if dist.get_rank() == 0:
+            try:
+                result = build()
+            except Exception as error:
+                failure[0] = (str(error) if isinstance(error, ConfigError)
+                              else f"rank 0 failed to build the data: {error!r}")
+                dist.broadcast_object_list(failure, src=0, group=group)
+                raise
+            dist.broadcast_object_list(failure, src=0, group=group)
+            return result
+        dist.broadcast_object_list(failure, src=0, group=group)
+        if failure[0] is not None:
+            raise ConfigError(failure[0])
+        return build()
+    finally:
+        dist.destroy_process_group(group)
+
+
+def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optional[datasets.Dataset]]:
+    """Tokenized (and, with `packing`, packed) training set, and the tokenized eval set or None.
+
+    Rank 0 builds first and fills the datasets cache; the other ranks then read it (see on_rank0_first).
+    """
+    names = [n.strip() for n in cfg.dataset_name.split(",")]
+    weights = [float(w) for w in cfg.dataset_weights.split(",")] if cfg.dataset_weights else [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")
+    if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
+        raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
+    if tokenizer.chat_template is None:
+        print_rank0("data: the tokenizer has no chat template; using the default (ChatML layout with the tokenizer's "
+                    "EOS), saved with the model")
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+
+    def build():
+        sources = load_sources(names, cfg.dataset_config_name, cfg.dataset_split, cfg.eval_split,
+                               parse_column_mapping(cfg.dataset_column_mapping))
+        train_parts, eval_parts = [], []
+        for name, weight, (raw_train, raw_eval) in zip(names, weights, sources):
+            fmt = detect_format(raw_train.column_names, cfg.dataset_format)
+            # Tokenized before the eval carve so that an error names the row of the file.
+            train = _tokenize(raw_train, fmt, tokenizer, cfg, f"{name} [{cfg.dataset_split}]")
+            if raw_eval is not None:
+                eval_parts.append(_tokenize(raw_eval, detect_format(raw_eval.column_names, cfg.dataset_format),
+                                            tokenizer, cfg, f"{name} [{cfg.eval_split}]"))
+            elif cfg.eval_fraction > 0:
+                train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
+                eval_parts.append(held_out)
+            train_parts.append(weighted_sample(train, weight, cfg.seed))
+        train = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
+        eval_set = datasets.concatenate_datasets(eval_parts) if len(eval_parts) > 1 else (eval_parts or [None])[0]
+        if cfg.packing:
+            # Shuffled first so that a pack mixes the data sets of a mixture instead of following file order.
+            n_examples = len(train)
+            train = train.shuffle(seed=cfg.seed).flatten_indices().map(
+                pack_examples, batched=True, batch_size=1000, fn_kwargs={"max_seq_length": cfg.max_seq_length},
+                remove_columns=train.column_names, desc="Packing",
+            )
+            print_rank0(f"data: packed {n_examples} examples into {len(train)} sequences of at most "
+                        f"{cfg.max_seq_length} tokens")
+        return train, eval_set
+
+    train, eval_set = on_rank0_first(build)
+    print_rank0(f"data: train {len(train)} {'sequences' if cfg.packing else 'examples'}"
+                + (f", eval {len(eval_set)} examples" if eval_set is not None else ", no eval split"))
+    return train, eval_set
 
 
 def build_train_dataset(cfg: TrainConfig, tokenizer) -> datasets.Dataset:
-    """Tokenized training set. Rank 0 tokenizes first and fills the datasets cache; the others read it."""
-    with main_process_first():
-        raw = load_raw_dataset(cfg.dataset_name, cfg.dataset_config_name, cfg.dataset_split)
-        fmt = detect_format(raw.column_names)
-        tokenized = raw.map(
-            tokenize_example,
-            fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length},
-            remove_columns=raw.column_names,
-            desc="Tokenizing",
-        )
-        # An example whose answer was cut off entirely by truncation teaches nothing.
-        tokenized = tokenized.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"][1:]))
-    dropped = len(raw) - len(tokenized)
-    print_rank0(f"data: {len(tokenized)} examples ({fmt} format), {dropped} dropped for having no label tokens")
-    return tokenized
+    return build_datasets(cfg, tokenizer)[0]
 
 
-def collate(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest sequence of the batch, not to max_seq_length."""
+def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:
+    """Pad to the longest sequence of the batch, not to max_seq_length.
+
+    `attention_mask` marks the real tokens. Packed rows also carry `position_ids`; padding then continues as one
+    more short sequence of its own (positions 0, 1, ...), which carries no loss and which no real token sees.
+    With `flatten`, packed rows are concatenated into a single row without padding instead.
+    """
+    if flatten:
+        keys = ("input_ids", "labels", "position_ids")
+        batch = {key: torch.tensor([[value for ex in examples for value in ex[key]]]) for key in keys}
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+        return batch
     length = max(len(ex["input_ids"]) for ex in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    packed = "position_ids" in examples[0]
+    if packed:
+        position_ids = torch.arange(length).repeat(len(examples), 1)
     for i, ex in enumerate(examples):
         n = len(ex["input_ids"])
         input_ids[i, :n] = torch.tensor(ex["input_ids"])
         labels[i, :n] = torch.tensor(ex["labels"])
         attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if packed:
+            position_ids[i, :n] = torch.tensor(ex["position_ids"])
+            position_ids[i, n:] = torch.arange(length - n)
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if packed:
+        batch["position_ids"] = position_ids
+    return batch
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for a batch. Packed batches pass position_ids and no attention_mask:
+    transformers only derives the per-example (block-diagonal) mask from position_ids when attention_mask is None."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
 def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size: int) -> DataLoader:
@@ -132,11 +204,14 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
             f"{world_size} ranks: lower per_device_train_batch_size or add data"
         )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    # Flash attention finds example boundaries in position_ids only in a batch of one row (transformers'
+    # _is_packed_sequence), so there packed rows become one row; sdpa and eager handle any batch size.
+    flatten = cfg.packing and "flash" in cfg.attn_implementation
     return DataLoader(
         dataset.with_format(None),
         batch_size=cfg.per_device_train_batch_size,
         sampler=sampler,
-        collate_fn=lambda examples: collate(examples, tokenizer.pad_token_id),
+        collate_fn=lambda examples: collate(examples, tokenizer.pad_token_id, flatten),
         drop_last=True,
     )
 
@@ -145,7 +220,7 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int) -> Iterator[li
     """Endless stream of optimizer steps, each a list of `accumulation` micro-batches, reshuffled every epoch.
 
     Micro-batches left over at the end of an epoch (fewer than `accumulation`) are dropped, so every step has
-    the same shape on every rank.
+    the same shape on every rank. The order depends only on the seed and the epoch.
     """
     epoch = 0
     while True:

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import get_scheduler
 
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, build_dataloader, optimizer_step_batches
+from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
 from .metrics import MetricsLogger
 
@@ -32,6 +32,37 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = logits[:, :-1].float()
     labels = labels[:, 1:]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def step_token_counts(micro_batches: list[dict], device: torch.device) -> tuple[float, float, float]:
+    """(label tokens, real input tokens, all token slots incl. padding) of the step, summed over all ranks.
+
+    Counted on the host before any compute: one all-reduce per step, no device sync inside the loop.
+    """
+    counts = torch.tensor(
+        [sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches),
+         sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
+         sum(mb["attention_mask"].numel() for mb in micro_batches)],
+        dtype=torch.float64, device=device,
+    )
+    dist.all_reduce(counts)
+    return tuple(counts.tolist())
+
+
+def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: float, world_size: int,
+                     device: torch.device) -> torch.Tensor:
+    """Accumulate the gradient of (sum of per-token losses of the step) / label_tokens; return this rank's sum.
+
+    label_tokens counts the whole step on all ranks. FSDP averages gradients over ranks, so each rank scales by
+    world_size to turn that average back into the global sum.
+    """
+    loss_sum = torch.zeros((), device=device)
+    for mb in micro_batches:
+        mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        mb_loss_sum = token_loss_sum(model(**model_inputs(mb)).logits, mb["labels"])
+        (mb_loss_sum * (world_size / label_tokens)).backward()
+        loss_sum += mb_loss_sum.detach()
+    return loss_sum
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -67,24 +98,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     for step in range(1, total_steps + 1):
         start = time.perf_counter()
         micro_batches = next(batches)
-        # Counted on the host before any compute: one all-reduce per step, no device sync inside the loop.
-        counts = torch.tensor(
-            [sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches),
-             sum(int(mb["attention_mask"].sum()) for mb in micro_batches)],
-            dtype=torch.float64, device=env.device,
-        )
-        dist.all_reduce(counts)
-        label_tokens, input_tokens = counts.tolist()
-
-        loss_sum = torch.zeros((), device=env.device)
-        for mb in micro_batches:
-            mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            mb_loss_sum = token_loss_sum(logits, mb["labels"])
-            # Divide by the label tokens of the whole step on all ranks; FSDP then averages gradients over
-            # ranks, so scale by world_size to turn that average back into the global sum.
-            (mb_loss_sum * (env.world_size / label_tokens)).backward()
-            loss_sum += mb_loss_sum.detach()
+        label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
+        loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
 
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         learning_rate = scheduler.get_last_lr()[0]
@@ -102,6 +117,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                 "grad_norm": grad_norm.item(),
                 "tokens": int(label_tokens),
                 "input_tokens": int(input_tokens),
+                "real_token_share": input_tokens / token_slots,
                 "tokens_per_second": input_tokens / step_time,
                 "step_time": step_time,
             })

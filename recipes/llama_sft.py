@@ -13,7 +13,7 @@ from transformers import set_seed
 from fsdp_recipes.checkpoint import save_hf_model
 from fsdp_recipes.cli import run_main
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.data import build_train_dataset
+from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, print_rank0
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import export_dtype, load_model, load_tokenizer
@@ -30,7 +30,8 @@ def main():
 
         # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
         tokenizer = load_tokenizer(cfg)
-        train_dataset = build_train_dataset(cfg, tokenizer)
+        # The eval split is only built and its size logged: no evaluation loop yet (README, "Not done yet").
+        train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
 
         # Model: fp32 master weights, every decoder layer sharded, then the root.
         model = load_model(cfg)

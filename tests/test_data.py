@@ -1,34 +1,90 @@
-"""Tokenization with loss masks, and batching."""
+"""Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
+import json
+import re
+
+import datasets
+import pytest
 import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from fsdp_recipes import demo
-from fsdp_recipes.data import IGNORE_INDEX, collate, detect_format, tokenize_example
+from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
+from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
+                               optimizer_step_batches, pack_examples)
+from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example
+from fsdp_recipes.trainer import token_loss_sum
+
+from conftest import REPO, read_metrics, torchrun
+
+TOKENIZER = demo.build_tokenizer()
 
 
-def test_chat_example_takes_loss_on_the_assistant_turn_only():
+def loss_tokens(out: dict) -> list[str]:
+    """The tokens that carry loss: those predicted (position 1 on) whose label is not ignored."""
+    assert [l for l in out["labels"] if l != IGNORE_INDEX] == [t for t, l in zip(out["input_ids"], out["labels"])
+                                                               if l != IGNORE_INDEX]
+    return TOKENIZER.convert_ids_to_tokens([t for t, l in zip(out["input_ids"][1:], out["labels"][1:])
+                                            if l != IGNORE_INDEX])
+
+
+def tokens(out: dict) -> list[str]:
+    return TOKENIZER.convert_ids_to_tokens(out["input_ids"])
+
+
+CHAT = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"},
+                     {"role": "user", "content": "cd"}, {"role": "assistant", "content": "dc"}]}
+
+
+def test_exact_loss_tokens_of_each_format():
+    out = tokenize_example(CHAT, "chat", TOKENIZER, max_seq_length=64)
+    assert TOKENIZER.decode(out["input_ids"]) == "<|user|>ab<|end|><|assistant|>ba<|end|><|user|>cd<|end|><|assistant|>dc<|end|>"
+    assert loss_tokens(out) == ["b", "a", "<|end|>", "d", "c", "<|end|>"]
+
+    out = tokenize_example({"instruction": "ab", "input": "", "output": "ba"}, "instruction", TOKENIZER, 64)
+    assert TOKENIZER.decode(out["input_ids"]) == "<|user|>ab<|end|><|assistant|>ba<|end|>"
+    assert loss_tokens(out) == ["b", "a", "<|end|>"]
+
+    out = tokenize_example({"prompt": "ab", "completion": "cd"}, "prompt_completion", TOKENIZER, 64)
+    assert tokens(out) == ["<|bos|>", "a", "b", "c", "d", "<|end|>"]
+    assert loss_tokens(out) == ["c", "d", "<|end|>"]
+
+    out = tokenize_example({"text": "abc"}, "text", TOKENIZER, 64)
+    assert tokens(out) == ["<|bos|>", "a", "b", "c", "<|end|>"]
+    assert loss_tokens(out) == ["a", "b", "c", "<|end|>"]
+
+    # completion_only_loss=False: every token after the first carries loss.
+    out = tokenize_example(CHAT, "chat", TOKENIZER, 64, completion_only_loss=False)
+    assert loss_tokens(out) == tokens(out)[1:]
+    out = tokenize_example({"prompt": "ab", "completion": "cd"}, "prompt_completion", TOKENIZER, 64,
+                           completion_only_loss=False)
+    assert loss_tokens(out) == ["a", "b", "c", "d", "<|end|>"]
+
+
+def test_default_chat_template_marks_the_assistant_turn():
     tokenizer = demo.build_tokenizer()
-    example = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
-    out = tokenize_example(example, "chat", tokenizer, max_seq_length=64)
-    assert tokenizer.decode(out["input_ids"]) == "<|user|>reverse: abc<|end|><|assistant|>cba<|end|>"
-    loss_tokens = [t for t, label in zip(out["input_ids"], out["labels"]) if label != IGNORE_INDEX]
-    assert tokenizer.convert_ids_to_tokens(loss_tokens) == ["c", "b", "a", "<|end|>"]
-    assert [label for label in out["labels"] if label != IGNORE_INDEX] == loss_tokens
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
+    assert text.startswith("<|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
+    assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n"]
 
 
 def test_truncation_keeps_the_first_tokens():
-    tokenizer = demo.build_tokenizer()
-    example = {"prompt": "abc", "completion": "defg"}
-    out = tokenize_example(example, "prompt_completion", tokenizer, max_seq_length=5)
-    assert tokenizer.convert_ids_to_tokens(out["input_ids"]) == ["a", "b", "c", "d", "e"]
-    assert out["labels"][:3] == [IGNORE_INDEX] * 3 and out["labels"][3:] == out["input_ids"][3:]
+    out = tokenize_example({"prompt": "abc", "completion": "defg"}, "prompt_completion", TOKENIZER, max_seq_length=5)
+    assert tokens(out) == ["<|bos|>", "a", "b", "c", "d"] and out["overlong"]
+    assert loss_tokens(out) == ["d"]
 
 
-def test_formats_are_detected_from_columns():
+def test_formats_are_detected_from_columns_or_forced():
     assert detect_format(["messages", "id"]) == "chat"
     assert detect_format(["instruction", "input", "output"]) == "instruction"
     assert detect_format(["prompt", "completion"]) == "prompt_completion"
     assert detect_format(["text"]) == "text"
+    assert detect_format(["text", "prompt", "completion"], forced="text") == "text"
+    with pytest.raises(ConfigError, match=r"found the columns \['question', 'answer'\]; expected chat: messages; "
+                                          r"instruction: instruction, output; .*text: text"):
+        detect_format(["question", "answer"])
 
 
 def test_collate_pads_to_the_longest_in_the_batch():
@@ -36,4 +92,218 @@ def test_collate_pads_to_the_longest_in_the_batch():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["input_ids"].dtype == torch.long
+    assert set(model_inputs(batch)) == {"input_ids", "attention_mask"}
+
+
+def test_pack_restarts_positions_and_masks_the_first_label_of_each_example():
+    examples = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}
+    packed = pack_examples(examples, max_seq_length=6)
+    assert packed["input_ids"] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert packed["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
+    assert packed["labels"] == [[-100, 2, 3, -100, 5], [-100, 7, 8, 9]]
+    batch = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]  # padding: a segment of its own
+    assert set(model_inputs(batch)) == {"input_ids", "position_ids"}
+    flat = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0, flatten=True)
+    assert flat["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert flat["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7, 8, 9]]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logits_equal_each_example_alone(tiny, attn):
+    model = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32, attn_implementation=attn).eval()
+    model.config.use_cache = False  # as load_model does: transformers ignores position_ids for masking with a cache
+    gen = torch.Generator().manual_seed(0)
+    lengths = [7, 12, 5]
+    examples = [torch.randint(5, len(TOKENIZER), (n,), generator=gen).tolist() for n in lengths]
+    packed = pack_examples({"input_ids": examples, "labels": examples}, max_seq_length=20)
+    assert [len(row) for row in packed["input_ids"]] == [19, 5]  # two rows: the second is padded
+    batch = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], TOKENIZER.pad_token_id)
+    with torch.no_grad():
+        packed_logits = model(**model_inputs(batch)).logits
+        alone = [model(input_ids=torch.tensor([ex])).logits[0] for ex in examples]
+        plain_causal = model(input_ids=batch["input_ids"]).logits  # attention crossing the boundary
+        flat_logits = model(**model_inputs(collate([{k: v[i] for k, v in packed.items()} for i in range(2)],
+                                                   TOKENIZER.pad_token_id, flatten=True))).logits
+    pieces = [packed_logits[0, :7], packed_logits[0, 7:19], packed_logits[1, :5]]
+    flat_pieces = [flat_logits[0, :7], flat_logits[0, 7:19], flat_logits[0, 19:]]
+    deviation = max((p - a).abs().max().item() for p, a in zip(pieces + flat_pieces, alone + alone))
+    print(f"{attn}: max |packed - alone| logit deviation {deviation:.2e}")
+    assert deviation < 1e-5
+    assert (plain_causal[0, 7:19] - alone[1]).abs().max() > 1e-2  # the check can fail
+    # The loss sums agree too: no label is predicted across a boundary.
+    alone_loss = sum(token_loss_sum(a[None], torch.tensor([ex])) for a, ex in zip(alone, examples))
+    assert abs(token_loss_sum(packed_logits, batch["labels"]) - alone_loss) < 1e-4
+
+
+# Building data sets from files: these need a process group for main_process_first; a real 1-process one.
+@pytest.fixture(scope="module", autouse=True)
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def cfg(dataset_name, **kw) -> TrainConfig:
+    return TrainConfig(model_name_or_path="unused", dataset_name=str(dataset_name), **{"max_seq_length": 64, **kw})
+
+
+ROWS = [{"prompt": f"{'abcdefgh'[i % 8]}{i}", "completion": f" x{i}"} for i in range(40)]
+
+
+def test_every_source_type_gives_the_same_examples(tmp_path):
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    table = datasets.Dataset.from_list(ROWS)
+    table.to_csv(tmp_path / "d.csv", index=False)
+    table.to_parquet(tmp_path / "d.parquet")
+    table.save_to_disk(tmp_path / "saved")
+    (tmp_path / "folder").mkdir()
+    demo.write_jsonl(tmp_path / "folder" / "part.jsonl", ROWS)  # read by load_dataset(name), as a Hub id is
+    expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
+    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder"]:
+        train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
+        assert list(train["input_ids"]) == expected, name
+        assert eval_set is None
+
+
+def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                          "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
+    train, eval_set = build_datasets(cfg(tmp_path / "dict", eval_split="test"), TOKENIZER)
+    assert (len(train), len(eval_set)) == (30, 10)
+
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    train, eval_set = build_datasets(cfg(tmp_path / "d.jsonl", eval_fraction=0.25), TOKENIZER)
+    again_train, again_eval = build_datasets(cfg(tmp_path / "d.jsonl", eval_fraction=0.25), TOKENIZER)
+    assert (len(train), len(eval_set)) == (30, 10)
+    assert list(eval_set["input_ids"]) == list(again_eval["input_ids"])
+    assert list(train["input_ids"]) == list(again_train["input_ids"])
+    all_ids = sorted(map(tuple, list(train["input_ids"]) + list(eval_set["input_ids"])))
+    assert all_ids == sorted(tuple(tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"]) for r in ROWS)
+
+
+def test_column_mapping_and_weighted_mixture(tmp_path):
+    demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
+    demo.write_jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": "x"} for i in range(10)])
+    train, _ = build_datasets(cfg(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", dataset_weights="0.5,2.5",
+                                  dataset_column_mapping="question=prompt,answer=completion"), TOKENIZER)
+    first = [TOKENIZER.convert_ids_to_tokens(ids[1]) for ids in list(train["input_ids"])]  # after <|bos|>
+    assert (first.count("a"), first.count("b")) == (10, 25)
+    b_texts = [TOKENIZER.decode(ids) for ids in train["input_ids"] if TOKENIZER.convert_ids_to_tokens(ids[1]) == "b"]
+    assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys):
+    demo.write_jsonl(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 10, 30, 40)])
+    train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16), TOKENIZER)
+    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12, 16, 16]
+    assert "2 longer than max_seq_length=16 (truncated)" in capsys.readouterr().out
+    train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16, overlong_examples="drop"), TOKENIZER)
+    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12]
+    assert "2 longer than max_seq_length=16 (dropped)" in capsys.readouterr().out
+
+
+def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd):
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    first, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
+    assert "Tokenizing" in capfd.readouterr().err  # the progress bar
+    second, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
+    assert "Tokenizing" not in capfd.readouterr().err
+    assert first.cache_files == second.cache_files and list(first["input_ids"]) == list(second["input_ids"])
+
+
+def bad_input_cases(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n')
+    (tmp_path / "bad.json").write_text('[{"text": "a"},\n {"text": }]\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
+    demo.write_jsonl(tmp_path / "cols.jsonl", [{"question": "a", "answer": "b"}])
+    demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, {"messages": [{"role": "user", "content": 3}]}])
+    demo.write_jsonl(tmp_path / "nolist.jsonl", [{"messages": []}])
+    demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
+    (tmp_path / "header_only.csv").write_text("prompt,completion\n")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
+    return [
+        (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
+        (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
+        (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, .*Expected 2 fields in line 3, saw 3"),
+        (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
+        (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
+        (cfg(tmp_path / "cols.jsonl"), r"found the columns \['question', 'answer'\]; expected chat: messages"),
+        (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 1: message 0 needs a string 'role' and a string"),
+        (cfg(tmp_path / "nolist.jsonl"), r"row 0: 'messages' must be a non-empty list"),
+        (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
+        (cfg(tmp_path / "dict", eval_split="validation"), r"has no split 'validation'; its splits are \['train'\]"),
+        (cfg(tmp_path / "ok.jsonl", eval_split="test"), r"single file with one split: use eval_fraction"),
+        (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
+    ]
+
+
+def test_bad_input_gets_a_clear_error(tmp_path):
+    for config, message in bad_input_cases(tmp_path):
+        with pytest.raises(ConfigError, match=message):
+            build_datasets(config, TOKENIZER)
+
+
+def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
+    # 11 examples on 2 ranks, batch 2, accumulation 2: the odd example is dropped, each rank gets 5 -> 1 step.
+    dataset = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(11)], "labels": [[i, i] for i in range(11)]})
+
+    def steps(rank, seed=0, n=3):
+        loader = build_dataloader(dataset, cfg("unused", per_device_train_batch_size=2, seed=seed), TOKENIZER, rank, 2)
+        stream = optimizer_step_batches(loader, accumulation=2)
+        return [[mb["input_ids"][:, 0].tolist() for mb in next(stream)] for _ in range(n)]
+
+    rank0, rank1 = steps(0), steps(1)
+    assert all(len(step) == 2 and all(len(mb) == 2 for mb in step) for step in rank0 + rank1)
+    epoch0 = [i for mb in rank0[0] for i in mb] + [i for mb in rank1[0] for i in mb]
+    assert len(set(epoch0)) == 8  # disjoint: 8 different examples in the 2 ranks' first steps
+    assert rank0 == steps(0) and rank0 != steps(0, seed=1)  # the order depends on the seed only
+    assert rank0[0] != rank0[1]  # reshuffled every epoch
+
+
+def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_path):
+    demo.write_jsonl(tmp_path / "extra.jsonl", [{"instruction": "reverse", "input": f"ab{i % 10}", "output": "ba"}
+                                                for i in range(37)])
+    proc = torchrun("recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
+                    "--model_name_or_path", tiny["model"], "--dataset_name", f"{tiny['data']},{tmp_path}/extra.jsonl",
+                    "--dataset_weights", "0.5,1", "--eval_fraction", "0.1", "--packing", "true",
+                    "--max_seq_length", "64", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                    "--max_steps", "6", "--logging_steps", "3", "--output_dir", tmp_path / "out")
+    # 256 - 25 held out = 231 x 0.5 = 116 (rounded), 37 - 3 held out = 34: 150 examples packed.
+    assert "packed 150 examples into" in proc.stdout and "eval 28 examples" in proc.stdout
+    # Rank 0 tokenized; rank 1 read its cache (no second progress bar).
+    assert proc.stderr.count(f"Tokenizing {tiny['data']} [train]: 100%") == 1, proc.stderr
+    metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [3, 6]
+    for m in metrics:
+        assert 0.5 < m["real_token_share"] <= 1 and m["input_tokens"] <= 4 * 2 * 64
+
+
+def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
+    demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, CHAT, {"messages": [{"role": "user"}]}])
+    proc = torchrun("recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
+                    tmp_path / "msgs.jsonl", "--output_dir", tmp_path / "out", expect_rc=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 2: message 0 needs a string 'role' and a string "
+                      "'content', got {'role': 'user'}"] * 2, proc.stderr
+    assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
+
+
+def test_readme_data_example_is_a_valid_config(tmp_path):
+    text = (REPO / "README.md").read_text()
+    [block] = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    (tmp_path / "data.yaml").write_text(block)
+    config = parse_config(["--config", str(tmp_path / "data.yaml"), "--model_name_or_path", "m"])
+    assert config.dataset_name == "chats.jsonl,my_org/instructions" and config.dataset_weights == "1,0.5"
+    assert (config.eval_fraction, config.packing, config.overlong_examples) == (0.05, False, "truncate")
+
+
+def test_eval_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"eval_fraction must be in \[0, 1\), got 1.5"):
+        cfg("d.jsonl", eval_fraction=1.5)
+    with pytest.raises(ConfigError, match="set eval_split or eval_fraction, not both"):
+        cfg("d.jsonl", eval_fraction=0.1, eval_split="test")

@@ -1,0 +1,99 @@
+"""Formats: detect one from the columns, render an example to text, tokenize it with its loss mask."""
+
+from __future__ import annotations
+
+from .config import ConfigError
+
+IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding)
+
+FORMATS = {
+    "chat": ["messages"],
+    "instruction": ["instruction", "output"],
+    "prompt_completion": ["prompt", "completion"],
+    "text": ["text"],
+}
+
+# For a tokenizer without a chat template: ChatML's layout, each turn closed by the tokenizer's own EOS so that
+# generation stops there. It is saved with the model, so inference renders prompts the same way.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def detect_format(columns: list[str], forced: str = "auto") -> str:
+    """The first format whose columns are all present, or `forced`; either way its columns must exist."""
+    candidates = FORMATS if forced == "auto" else {forced: FORMATS[forced]}
+    for fmt, needed in candidates.items():
+        if all(c in columns for c in needed):
+            return fmt
+    expected = "; ".join(f"{fmt}: {', '.join(cols)}" for fmt, cols in candidates.items())
+    raise ConfigError(f"cannot read the data as {'any format' if forced == 'auto' else forced}: found the columns "
+                      f"{columns}; expected {expected} (rename with dataset_column_mapping)")
+
+
+def check_messages(messages, row: int) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"row {row}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r}")
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ConfigError(f"row {row}: message {i} needs a string 'role' and a string 'content', got {message!r}")
+
+
+def _to_messages(example: dict, fmt: str) -> list[dict]:
+    if fmt == "chat":
+        return example["messages"]
+    user = example["instruction"]
+    if example.get("input"):
+        user = f"{user}\n\n{example['input']}"
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
+
+
+def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The example as one string, and the character spans of the assistant turns or the completion."""
+    bos = tokenizer.bos_token or ""  # chat templates add their own BOS; plain text gets it here
+    if fmt == "text":
+        text = bos + example["text"] + tokenizer.eos_token
+        return text, []
+    if fmt == "prompt_completion":
+        text = bos + example["prompt"] + example["completion"] + tokenizer.eos_token
+        return text, [(len(bos) + len(example["prompt"]), len(text))]
+    messages = _to_messages(example, fmt)
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    text = render(messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt, turn = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (text.startswith(prompt) and text.startswith(turn)):
+            raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
+                              "so assistant turns cannot be located: set completion_only_loss false")
+        spans.append((len(prompt), len(turn)))
+    return text, spans
+
+
+def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,
+                     row: int = 0) -> dict:
+    """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `overlong` if it was cut.
+
+    With completion_only_loss, loss is on assistant turns and completions (on every token of plain text);
+    without it, on every token.
+    """
+    if fmt == "chat":
+        check_messages(example["messages"], row)
+    for column in FORMATS[fmt]:
+        if fmt != "chat" and not isinstance(example[column], str):
+            raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
+    text, spans = render_with_loss_spans(example, fmt, tokenizer)
+    if not completion_only_loss or fmt == "text":
+        spans = [(0, len(text))]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = encoded["input_ids"]
+    labels = [
+        token if any(start <= char_start < end for start, end in spans) else IGNORE_INDEX
+        for token, (char_start, _) in zip(input_ids, encoded["offset_mapping"])
+    ]
+    return {"input_ids": input_ids[:max_seq_length], "labels": labels[:max_seq_length],
+            "overlong": len(input_ids) > max_seq_length}
