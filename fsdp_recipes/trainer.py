@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
 from .metrics import MetricsLogger
+from .sharding import gradient_sync
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -36,7 +38,10 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all ranks' shards (the same value on every rank), clipped when max_norm > 0."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    max_norm = max_norm if max_norm > 0 else math.inf
+    if isinstance(model, FSDP):
+        return model.clip_grad_norm_(max_norm)  # FSDP1's shards are plain tensors: it reduces the norm itself
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
@@ -77,13 +82,15 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         label_tokens, input_tokens = counts.tolist()
 
         loss_sum = torch.zeros((), device=env.device)
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             mb = {k: v.to(env.device, non_blocking=True) for k, v in mb.items()}
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            mb_loss_sum = token_loss_sum(logits, mb["labels"])
-            # Divide by the label tokens of the whole step on all ranks; FSDP then averages gradients over
-            # ranks, so scale by world_size to turn that average back into the global sum.
-            (mb_loss_sum * (env.world_size / label_tokens)).backward()
+            sync = cfg.gradient_sync == "every_micro_batch" or i == len(micro_batches) - 1
+            with gradient_sync(model, sync):
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+                mb_loss_sum = token_loss_sum(logits, mb["labels"])
+                # Divide by the label tokens of the whole step on all ranks; FSDP then averages gradients over
+                # ranks, so scale by world_size to turn that average back into the global sum.
+                (mb_loss_sum * (env.world_size / label_tokens)).backward()
             loss_sum += mb_loss_sum.detach()
 
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
