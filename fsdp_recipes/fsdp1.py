@@ -43,8 +43,24 @@ def shard(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan,
         else None if prefetch == "NO_PREFETCH" else BackwardPrefetch[prefetch],
         mixed_precision=mixed_precision(plan),
         # Meta-device ranks (rank-0 loading) get empty storage here; the weights are broadcast afterwards.
-        param_init_fn=(lambda module: module.to_empty(device=device, recurse=False)) if is_meta else None,
+        param_init_fn=_materializer(device) if is_meta else None,
         device_id=device,  # also on CPU: without it FSDP1 asks for an accelerator
         use_orig_params=True,  # the optimizer's weight-decay groups and the tests see the model's own parameters
         device_mesh=mesh,
     )
+
+
+def _materializer(device: torch.device):
+    """FSDP1's param_init_fn: empty storage for a module's meta parameters. Unlike `to_empty`, a parameter shared by
+    two modules (tied embeddings) gets one new parameter, so the tie survives."""
+    new_params: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta kept alive, new)
+
+    def materialize(module: nn.Module) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in new_params:
+                    new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    new_params[id(param)] = (param, new)
+                setattr(module, name, new_params[id(param)][1])
+
+    return materialize

@@ -62,6 +62,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
+    model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     full_state = load_model(cfg, dtype).state_dict() if dist.get_rank() == 0 else {}
 

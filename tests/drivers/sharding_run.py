@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/drivers/sharding_run.py <out_dir> '<variants json>' <recipe args...>
 
-`variants` maps a name to extra recipe flags, e.g. {"fsdp1": {"fsdp_version": 1}}; the name "unsharded" trains
-the plain model without FSDP (the single-process reference). For each variant it writes <out_dir>/<name>/
+`variants` maps a name to extra recipe flags, e.g. {"fsdp1": {"fsdp_version": 1}}; a name starting with "unsharded"
+trains the plain model without FSDP (the single-process reference). For each variant it writes <out_dir>/<name>/
 metrics.jsonl (the trainer's), and <out_dir>/<name>/rank<r>.json: the plan's description and the bytes of
 parameters, gradients and optimizer state this rank holds after one extra optimizer step.
 """
@@ -13,6 +13,9 @@ import os
 import sys
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_dataloader, build_train_dataset
@@ -29,17 +32,36 @@ def local_bytes(tensors) -> int:
 
 
 def held_bytes(model, cfg, env, batch) -> dict:
-    """One forward, backward and AdamW step; then the bytes of what this rank holds, from the tensors themselves."""
+    """One forward, backward and AdamW step; then the bytes of what this rank holds, from the tensors themselves,
+    and how often decoder layers ran forward (twice per layer with activation checkpointing: the recomputation)."""
     optimizer = build_optimizer(model, cfg)
     batch = {k: v.to(env.device) for k, v in batch.items()}
+    calls = []
+    # A pre-hook: the recomputation stops early, after the last tensor backward needs, so no post-hook fires.
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in model.modules()
+             if isinstance(m, LlamaDecoderLayer)]
     token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                    batch["labels"]).backward()
+    for hook in hooks:
+        hook.remove()
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
-    state = local_bytes(t for s in optimizer.state.values() for t in s.values() if t.ndim > 0)  # not `step`
-    return {"params": local_bytes(model.parameters()), "grads": grads, "optimizer_state": state,
-            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "state_dtypes": sorted({str(t.dtype) for s in optimizer.state.values() for t in s.values() if t.ndim})}
+    state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {"params": local_bytes(model.parameters()), "grads": grads, "optimizer_state": local_bytes(state),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "state_dtypes": sorted({str(t.dtype) for t in state}),
+            "param_devices": sorted({p.device.type for p in params}),
+            "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
+            "layer_forward_calls": len(calls)}
+
+
+def checkpoint_facts(model) -> dict:
+    """State-dict keys, and whether the input and output embeddings are still one parameter."""
+    inner = model.module if isinstance(model, FSDP) else model
+    tied = inner.config.tie_word_embeddings
+    return {"state_dict_keys": sorted(get_model_state_dict(model)),
+            "tied": inner.lm_head.weight is inner.model.embed_tokens.weight if tied else None}
 
 
 out_dir, variants, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
@@ -51,7 +73,7 @@ with distributed() as env:
         extra = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
         cfg = parse_config(argv + extra + ["--output_dir", os.path.join(out_dir, name)])
         torch.manual_seed(cfg.seed)
-        if name == "unsharded":
+        if name.startswith("unsharded"):
             model, description = load_model(cfg).to(env.device), "unsharded"
         else:
             plan = resolve_plan(cfg)
@@ -59,6 +81,6 @@ with distributed() as env:
             description = describe_plan(model, plan)
         train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
         batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size)))
-        record = {"plan": description, **held_bytes(model, cfg, env, batch)}
+        record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch)}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
