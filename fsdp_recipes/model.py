@@ -7,6 +7,7 @@ import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .config import TrainConfig
@@ -73,8 +74,37 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     for module_name, module in model.named_modules():
         for name in [n for n, b in module._buffers.items() if b is not None]:
             module._buffers[name] = buffers[_clean_key(f"{module_name}.{name}".lstrip("."))].to(device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if isinstance(model, FSDP):
+        _broadcast_into_fsdp1_shards(model, full_state)
+    else:
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=True))
     return model
+
+
+def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
+    """Rank 0's tensors, broadcast one at a time; each rank copies its part into its shard of the flat parameter.
+
+    torch's broadcast_from_rank0 (and FSDP1's sharded state dict) would build a full or a second sharded copy on
+    every rank. This reads FSDP1's flat-parameter layout, stable since torch 2.1: with use_orig_params=True each
+    original parameter is a 1-D view of its part of this rank's shard.
+    """
+    for unit_name, unit in model.named_modules():
+        handle = unit._handle if isinstance(unit, FSDP) else None
+        if handle is None:
+            continue
+        prefix = _clean_key(unit_name + ".") if unit_name else ""
+        flat = handle.flat_param
+        # _params holds each parameter once; a tied one is in _shared_params and aliases its first occurrence.
+        for param, info, fqn, shape in zip(flat._params, flat._shard_param_infos, flat._fqns, flat._shapes):
+            key = prefix + _clean_key(fqn)
+            full = full_state[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=param.dtype)
+            full = full.to(param.device, param.dtype)
+            dist.broadcast(full, src=0)
+            if info.in_shard:
+                with torch.no_grad():
+                    param.copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
+            del full
 
 
 def _clean_key(name: str) -> str:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import read_metrics, run, torchrun
+from conftest import read_metrics, run, torchrun, write_tiny_model
 
 PARITY = {  # fp32: per-step losses must equal the unsharded reference within 1e-5 relative
     "fsdp1_full_shard": {"fsdp_version": 1},
@@ -153,3 +153,22 @@ def test_printed_plan_describes_the_engine(runs):
     assert "wrapped: 3 x size-based (20,000 parameters or more), then the root" in plans["fsdp2_size_wrap"]
     assert "loading: rank 0 reads the weights, broadcast while sharding" in plans["fsdp2_rank0_load"]
     assert "parameters: 80,192 total, 40,096 on rank 0" in plans["fsdp2_reshard"]
+
+
+def test_rank0_loading_leaves_other_ranks_with_shards_only(tmp_path):
+    """A 31.5M-parameter Llama (126 MB in fp32): with rank-0 loading the second rank's peak memory while loading
+    stays under 0.8 x the model (its shards are 0.5 x, plus one full tensor in flight), where reading the weights
+    on every rank costs it more than 1 x; and every rank's shards equal the checkpoint."""
+    model = write_tiny_model(tmp_path / "model", hidden_size=512, intermediate_size=2048, num_hidden_layers=8)
+    # Freed tensors go back to the OS at once (glibc would otherwise keep raising its mmap threshold).
+    torchrun("tests/drivers/sharding_rank0_load.py", tmp_path, "--model_name_or_path", model, "--dataset_name", "x",
+             MALLOC_MMAP_THRESHOLD_="65536")
+    result = {(name, r): json.loads((tmp_path / f"{name}_rank{r}.json").read_text())
+              for name in ["fsdp2_rank0", "fsdp1_rank0", "fsdp2_every_rank"] for r in (0, 1)}
+    full = result["fsdp2_rank0", 0]["full_bytes"]
+    assert full == 31_515_136 * 4
+    assert all(r["equal_to_checkpoint"] for r in result.values())
+    for name in ["fsdp2_rank0", "fsdp1_rank0"]:
+        assert result[name, 1]["peak_rss_increase"] < 0.8 * full  # measured 0.66 (FSDP2), 0.63 (FSDP1)
+        assert result[name, 0]["peak_rss_increase"] > full  # rank 0 did read the whole model
+    assert result["fsdp2_every_rank", 1]["peak_rss_increase"] > full  # measured 1.5: the measurement can tell
