@@ -172,3 +172,22 @@ def test_rank0_loading_leaves_other_ranks_with_shards_only(tmp_path):
         assert result[name, 1]["peak_rss_increase"] < 0.8 * full  # measured 0.66 (FSDP2), 0.63 (FSDP1)
         assert result[name, 0]["peak_rss_increase"] > full  # rank 0 did read the whole model
     assert result["fsdp2_every_rank", 1]["peak_rss_increase"] > full  # measured 1.5: the measurement can tell
+
+
+def test_hsdp_on_a_2x2_mesh_matches_and_shards_within_each_replica(runs, tiny, tmp_path):
+    """4 processes: 2 replicas x 2 shards, the multi-node layout in miniature (2 x 2 sequences = 1 x 8)."""
+    variants = {"fsdp2_hsdp": {"dp_replicate_size": 2},
+                "fsdp1_hybrid_shard": {"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD",
+                                       "dp_replicate_size": 2}}
+    torchrun("tests/drivers/sharding_run.py", tmp_path, json.dumps(variants), "--model_name_or_path", tiny["model"],
+             "--dataset_name", tiny["data"], "--max_steps", "10", "--gradient_accumulation_steps", "2",
+             "--mixed_precision", "no", "--learning_rate", "1e-2", "--max_seq_length", "64",
+             "--per_device_train_batch_size", "2", nproc=4)
+    reference = runs["unsharded"]
+    for name in variants:
+        losses = [m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl")]
+        assert max_relative_deviation(losses, reference["losses"]) <= PARITY_TOLERANCE
+        ranks = [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(4)]
+        assert "mesh 2 x 2" in ranks[0]["plan"]
+        for kind in ["params", "grads", "optimizer_state"]:
+            assert [rank[kind] for rank in ranks] == [reference["ranks"][0][kind] // 2] * 4  # measured: exact
