@@ -82,6 +82,11 @@ def test_fp32_losses_equal_the_unsharded_process(runs, name):
     # Clipping sees the global norm: the reference's, on both ranks.
     assert max_relative_deviation(runs[name]["grad_norms"], reference["grad_norms"]) <= PARITY_TOLERANCE
     assert reference["losses"][-1] < 0.8 * reference["losses"][0]  # the runs compared do learn
+    # The norm each rank computes (one extra backward of an unnormalised loss sum, which FSDP averages over the 2
+    # ranks: half the single process's), bit-equal on both ranks.
+    norms = [rank["grad_norm"] for rank in runs[name]["ranks"]]
+    assert norms[0] == norms[1]
+    assert abs(norms[0] - reference["ranks"][0]["grad_norm"] / 2) <= PARITY_TOLERANCE * norms[0]
 
 
 @pytest.mark.parametrize("name", BF16)

@@ -24,7 +24,7 @@ from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import describe_plan, local_numel
-from fsdp_recipes.trainer import build_optimizer, token_loss_sum, train
+from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, token_loss_sum, train
 
 
 def local_bytes(tensors) -> int:
@@ -44,6 +44,7 @@ def held_bytes(model, cfg, env, batch) -> dict:
                    batch["labels"]).backward()
     for hook in hooks:
         hook.remove()
+    grad_norm = clip_grad_norm(model, 0)  # 0: measure only; the trainer's engine-aware global norm
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
@@ -53,7 +54,7 @@ def held_bytes(model, cfg, env, batch) -> dict:
             "state_dtypes": sorted({str(t.dtype) for t in state}),
             "param_devices": sorted({p.device.type for p in params}),
             "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
-            "layer_forward_calls": len(calls)}
+            "layer_forward_calls": len(calls), "grad_norm": grad_norm.item()}
 
 
 def checkpoint_facts(model) -> dict:
