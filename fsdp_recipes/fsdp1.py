@@ -32,15 +32,14 @@ def shard(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan,
         policy = functools.partial(size_based_auto_wrap_policy, min_num_params=plan.min_num_params)
     else:
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
-    prefetch = plan.backward_prefetch
     is_meta = any(p.is_meta for p in model.parameters())
     return FSDP(
         model,
         sharding_strategy=ShardingStrategy[plan.sharding_strategy],
         cpu_offload=CPUOffload(offload_params=True) if plan.offload_params else None,
         auto_wrap_policy=policy,
-        backward_prefetch=BackwardPrefetch.BACKWARD_PRE if prefetch is None
-        else None if prefetch == "NO_PREFETCH" else BackwardPrefetch[prefetch],
+        backward_prefetch=None if plan.backward_prefetch == "NO_PREFETCH"
+        else BackwardPrefetch[plan.backward_prefetch or "BACKWARD_PRE"],
         mixed_precision=mixed_precision(plan),
         # Meta-device ranks (rank-0 loading) get empty storage here; the weights are broadcast afterwards.
         param_init_fn=_materializer(device) if is_meta else None,

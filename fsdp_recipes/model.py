@@ -108,7 +108,7 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
 
 
 def _clean_key(name: str) -> str:
-    """A buffer's name without the wrappers' prefixes (FSDP1, activation checkpointing)."""
+    """A parameter's or buffer's name without the wrappers' prefixes (FSDP1, activation checkpointing)."""
     for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
         name = name.replace(prefix, "")
     return name

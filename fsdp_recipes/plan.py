@@ -51,7 +51,11 @@ def _env_int(name: str) -> Optional[int]:
 
 
 def _reject_unsupported_env() -> None:
-    """accelerate settings this project does not implement: an error, never silently ignored."""
+    """accelerate settings this project does not implement: an error, never silently ignored.
+
+    FSDP_SYNC_MODULE_STATES needs nothing: with rank-0 loading the weights are broadcast, otherwise every rank reads
+    the same checkpoint.
+    """
     for var, what in {
         "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "offloading checkpointed activations",
         "FSDP_FORWARD_PREFETCH": "forward prefetch",
@@ -133,6 +137,8 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     prefetch = env(os.environ.get, "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2:
         raise ConfigError("fsdp_backward_prefetch is an FSDP1 setting (FSDP2 always prefetches): remove it")
+    if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
+        raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
 
     return ShardingPlan(
         fsdp_version=version,

@@ -68,6 +68,7 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
     ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [], "fsdp_backward_prefetch is an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "needs fsdp_sharding_strategy HYBRID_SHARD"),
+    ({"FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "EARLY"}, [], "must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"),
 ])
 def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message):
     for key, value in env.items():
