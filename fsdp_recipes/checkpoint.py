@@ -9,6 +9,7 @@ import shutil
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -18,6 +19,7 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
     first_name: dict[int, str] = {}
     tied = set()
     for name, param in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")  # state-dict keys
         if id(param) in first_name:
             tied.add(name)
         first_name.setdefault(id(param), name)
@@ -30,7 +32,9 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
     Tied weights are written once and reload tied. The folder is written under a temporary name and renamed when complete, so a crash never leaves a
     half-written model where a finished one is expected.
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # FSDP1's full state dict with CPU offload crashes when the parameters are on the CPU already.
+    on_cpu_fsdp1 = isinstance(model, FSDP) and next(model.parameters()).device.type == "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu_fsdp1)
     state_dict = get_model_state_dict(model, options=options)  # full tensors on rank 0, empty elsewhere
     if dist.get_rank() == 0:
         tied = tied_parameter_names(model)

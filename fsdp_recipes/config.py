@@ -77,16 +77,49 @@ class TrainConfig:
     max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
     seed: int = 42
 
-    # Sharding and precision.
+    # Sharding and precision. Unset (None) fields come from the accelerate config, else from the default shown.
     fsdp_version: Optional[int] = field(
-        default=None, metadata={"help": "2 (fully_shard). Default: the accelerate config's, else 2."}
+        default=None, metadata={"help": "1 (FullyShardedDataParallel) or 2 (fully_shard). Default: accelerate's, else 2."}
+    )
+    fsdp_sharding_strategy: Optional[Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]] = field(
+        default=None, metadata={"help": "FSDP1 only. Default: FULL_SHARD."}
+    )
+    fsdp_reshard_after_forward: Optional[bool] = field(
+        default=None, metadata={"help": "FSDP2 only: free the gathered layer after forward (ZeRO-3). Default: true."}
+    )
+    dp_replicate_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Hybrid sharding: replicas (e.g. nodes) x shards. FSDP2: >1 turns on HSDP. FSDP1 "
+                          "HYBRID_SHARD: default the number of nodes. Default: accelerate's parallelism_config, else 1."},
+    )
+    fsdp_auto_wrap_policy: Optional[Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"]] = field(
+        default=None, metadata={"help": "Which modules get their own FSDP unit. Default: TRANSFORMER_BASED_WRAP."}
     )
     fsdp_transformer_layer_cls_to_wrap: Optional[str] = field(
         default=None, metadata={"help": "Comma-separated layer classes; default: the model's _no_split_modules."}
     )
-    mixed_precision: Optional[Literal["bf16", "no"]] = field(
+    fsdp_min_num_params: Optional[int] = field(
+        default=None, metadata={"help": "SIZE_BASED_WRAP: parameters per unit at least. Default: accelerate's, else 1e8."}
+    )
+    fsdp_offload_params: Optional[bool] = field(
+        default=None, metadata={"help": "Keep parameters, gradients and optimizer state on the CPU. Default: false."}
+    )
+    fsdp_activation_checkpointing: Optional[bool] = field(
+        default=None, metadata={"help": "Recompute each decoder layer's activations in backward. Default: false."}
+    )
+    fsdp_cpu_ram_efficient_loading: Optional[bool] = field(
         default=None,
-        metadata={"help": "bf16: bf16 compute, fp32 master weights and reduction. Default: accelerate's, else bf16."},
+        metadata={"help": "Only rank 0 reads the weights; the others start on the meta device. Default: false."},
+    )
+    mixed_precision: Optional[Literal["bf16", "no", "pure_bf16"]] = field(
+        default=None,
+        metadata={"help": "bf16: bf16 compute, fp32 master weights, reduction and optimizer state. no: all fp32. "
+                          "pure_bf16: everything bf16. Default: accelerate's, else bf16."},
+    )
+    gradient_sync: Literal["every_micro_batch", "last_micro_batch"] = field(
+        default="every_micro_batch",
+        metadata={"help": "every_micro_batch keeps only sharded gradients (memory-safe); last_micro_batch "
+                          "communicates once per step but holds full gradients between micro-batches."},
     )
     save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
         default="auto", metadata={"help": "dtype of the exported model; auto: the dtype of the model as loaded."}
@@ -117,8 +150,10 @@ class TrainConfig:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_split and self.eval_fraction:
             raise ConfigError("set eval_split or eval_fraction, not both")
-        if self.fsdp_version not in (None, 2):
-            raise ConfigError(f"fsdp_version must be 2, got {self.fsdp_version}")
+        if self.fsdp_version not in (None, 1, 2):
+            raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
+        if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
+            raise ConfigError(f"dp_replicate_size must be at least 1, got {self.dp_replicate_size}")
         if self.resume_from_checkpoint:
             raise ConfigError("resume_from_checkpoint is not supported yet: remove it (see README, 'Not done yet')")
         if self.save_steps:

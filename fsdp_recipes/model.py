@@ -1,11 +1,18 @@
-"""Load the tokenizer and the model, by hub id or local folder, through `from_pretrained`."""
+"""Load the tokenizer and the model, by hub id or local folder, through `from_pretrained`; shard the model."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from accelerate import init_empty_weights
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .config import TrainConfig
+from .plan import ShardingPlan
+from .sharding import MASTER_DTYPE, shard_model
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -27,13 +34,81 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def load_model(cfg: TrainConfig) -> PreTrainedModel:
-    """The model in fp32: these are the master weights that the optimizer updates."""
+def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model_name_or_path,
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
     )
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
+
+
+def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.device) -> nn.Module:
+    """The model sharded as `plan` says, with master weights in the plan's dtype.
+
+    With `cpu_ram_efficient_loading` only rank 0 reads the weights: every rank builds the model with its parameters
+    on the meta device, shards it, allocates its own shards only, and rank 0 broadcasts the weights into them.
+    """
+    dtype = MASTER_DTYPE[plan.mixed_precision]
+    if not plan.cpu_ram_efficient_loading:
+        return shard_model(load_model(cfg, dtype), plan, device)
+
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    config.use_cache = False
+    # Buffers stay real: non-persistent ones (rotary frequencies) are computed here, not read from the checkpoint.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+        )
+    model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    full_state = load_model(cfg, dtype).state_dict() if dist.get_rank() == 0 else {}
+
+    model = shard_model(model, plan, device)
+    if any(p.is_meta for p in model.parameters()):  # FSDP1 allocated while wrapping; FSDP2 allocates here
+        model.to_empty(device=torch.device("cpu") if plan.offload_params else device)
+    # to_empty also emptied the buffers; they live on the compute device even when parameters are offloaded.
+    for module_name, module in model.named_modules():
+        for name in [n for n, b in module._buffers.items() if b is not None]:
+            module._buffers[name] = buffers[_clean_key(f"{module_name}.{name}".lstrip("."))].to(device)
+    if isinstance(model, FSDP):
+        _broadcast_into_fsdp1_shards(model, full_state)
+    else:
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=True))
+    return model
+
+
+def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
+    """Rank 0's tensors, broadcast one at a time; each rank copies its part into its shard of the flat parameter.
+
+    torch's broadcast_from_rank0 (and FSDP1's sharded state dict) would build a full or a second sharded copy on
+    every rank. This reads FSDP1's flat-parameter layout, stable since torch 2.1: with use_orig_params=True each
+    original parameter is a 1-D view of its part of this rank's shard.
+    """
+    for unit_name, unit in model.named_modules():
+        handle = unit._handle if isinstance(unit, FSDP) else None
+        if handle is None:
+            continue
+        prefix = _clean_key(unit_name + ".") if unit_name else ""
+        flat = handle.flat_param
+        # _params holds each parameter once; a tied one is in _shared_params and aliases its first occurrence.
+        for param, info, fqn, shape in zip(flat._params, flat._shard_param_infos, flat._fqns, flat._shapes):
+            key = prefix + _clean_key(fqn)
+            full = full_state[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=param.dtype)
+            full = full.to(param.device, param.dtype)
+            dist.broadcast(full, src=0)
+            if info.in_shard:
+                with torch.no_grad():
+                    param.copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
+            del full
+
+
+def _clean_key(name: str) -> str:
+    """A parameter's or buffer's name without the wrappers' prefixes (FSDP1, activation checkpointing)."""
+    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
+        name = name.replace(prefix, "")
+    return name

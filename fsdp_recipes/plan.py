@@ -1,27 +1,43 @@
 """The sharding plan: what FSDP will do, resolved from the recipe config and the accelerate config.
 
-`accelerate launch --config_file X.yaml` exports the YAML's `fsdp_config` as FSDP_* environment variables and
-`mixed_precision` as ACCELERATE_MIXED_PRECISION. accelerate itself drops FSDP on CPU without a word, so the project
-reads those variables and applies the plan with torch APIs: the same YAML works on GPU (NCCL) and CPU (gloo).
+`accelerate launch --config_file X.yaml` exports the YAML's `fsdp_config` as FSDP_* environment variables,
+`parallelism_config` as PARALLELISM_CONFIG_* and `mixed_precision` as ACCELERATE_MIXED_PRECISION. accelerate itself
+drops FSDP on CPU without a word, so the project reads those variables and applies the plan with torch APIs: the same
+YAML works on GPU (NCCL) and CPU (gloo).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .config import ConfigError, TrainConfig
+
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP")
+PRECISIONS = ("bf16", "no", "pure_bf16")
 
 
 @dataclass
 class ShardingPlan:
     fsdp_version: int
-    layer_cls_names: Optional[list[str]]  # None: the model's _no_split_modules
+    sharding_strategy: str  # FSDP1's; FSDP2 reads reshard_after_forward and dp_replicate_size instead
     reshard_after_forward: bool
-    mixed_precision: str  # "bf16" or "no"
-    overrides: list[str]  # recipe settings that replaced the accelerate config's, reported at start
-    wrapped: str = ""  # filled by shard_model, e.g. "16 x LlamaDecoderLayer"
+    dp_replicate_size: Optional[int]  # None: FSDP1 HYBRID_SHARD uses the number of nodes, FSDP2 no replication
+    auto_wrap_policy: str
+    layer_cls_names: Optional[list[str]]  # None: the model's _no_split_modules
+    min_num_params: int
+    offload_params: bool
+    activation_checkpointing: bool
+    cpu_ram_efficient_loading: bool
+    mixed_precision: str  # "bf16", "no" or "pure_bf16"
+    backward_prefetch: Optional[str]  # FSDP1 only; None: torch's default (BACKWARD_PRE)
+    overrides: list[str] = field(default_factory=list)  # recipe settings that replaced accelerate's, printed at start
+    # Filled by shard_model: what was wrapped, and on which mesh.
+    wrapped: str = ""
+    mesh_shape: tuple = ()
+    total_params: int = 0
 
 
 def _env_bool(name: str) -> Optional[bool]:
@@ -29,25 +45,42 @@ def _env_bool(name: str) -> Optional[bool]:
     return None if value is None else value.strip().lower() in ("1", "true", "yes")
 
 
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return None if value is None else int(float(value))  # accelerate writes 1e8 as "100000000", users as "1e8"
+
+
 def _reject_unsupported_env() -> None:
-    unsupported = {
-        "FSDP_OFFLOAD_PARAMS": "CPU offload",
-        "FSDP_ACTIVATION_CHECKPOINTING": "activation checkpointing",
-    }
-    for var, what in unsupported.items():
+    """accelerate settings this project does not implement: an error, never silently ignored.
+
+    FSDP_SYNC_MODULE_STATES needs nothing: with rank-0 loading the weights are broadcast, otherwise every rank reads
+    the same checkpoint.
+    """
+    for var, what in {
+        "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "offloading checkpointed activations",
+        "FSDP_FORWARD_PREFETCH": "forward prefetch",
+    }.items():
         if _env_bool(var):
-            raise ConfigError(f"the accelerate config asks for {what} ({var}=true), which is not supported yet")
+            raise ConfigError(f"the accelerate config asks for {what} ({var}=true), which is not supported")
+    if _env_bool("FSDP_USE_ORIG_PARAMS") is False:
+        raise ConfigError("fsdp_use_orig_params false is not supported: the optimizer groups and gradient clipping "
+                          "need the original parameters; set it to true")
+    if os.environ.get("FSDP_IGNORED_MODULES"):
+        raise ConfigError("fsdp_ignored_modules is not supported: remove it from the accelerate config")
     state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
     if state_dict_type != "FULL_STATE_DICT":
         raise ConfigError(f"fsdp_state_dict_type {state_dict_type} is not supported yet: use FULL_STATE_DICT")
-    wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
-    if wrap != "TRANSFORMER_BASED_WRAP":
-        raise ConfigError(f"fsdp_auto_wrap_policy {wrap} is not supported yet: use TRANSFORMER_BASED_WRAP")
 
 
 def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     """Recipe config first, then the accelerate config, then the project's defaults."""
     overrides: list[str] = []
+    use_env = bool(_env_bool("ACCELERATE_USE_FSDP"))
+    if use_env:
+        _reject_unsupported_env()
+
+    def env(getter, name):
+        return getter(name) if use_env else None
 
     def pick(name: str, recipe_value, env_value, default):
         if recipe_value is not None and env_value is not None and recipe_value != env_value:
@@ -56,25 +89,72 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
             return recipe_value
         return env_value if env_value is not None else default
 
-    if _env_bool("ACCELERATE_USE_FSDP"):
-        _reject_unsupported_env()
-    env_version = os.environ.get("FSDP_VERSION")
-    fsdp_version = pick("fsdp_version", cfg.fsdp_version, int(env_version) if env_version else None, 2)
-    if fsdp_version != 2:
-        raise ConfigError(f"fsdp_version {fsdp_version} is not supported yet: use fsdp_version 2")
+    version = pick("fsdp_version", cfg.fsdp_version, env(_env_int, "FSDP_VERSION"), 2)
+    if version not in (1, 2):
+        raise ConfigError(f"fsdp_version must be 1 or 2, got {version}")
 
-    env_layers = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP")
-    layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap, env_layers, None)
+    # accelerate always exports both settings, with FULL_SHARD and true as defaults; each engine reads only its own.
+    env_strategy = env(os.environ.get, "FSDP_SHARDING_STRATEGY")
+    env_reshard = env(_env_bool, "FSDP_RESHARD_AFTER_FORWARD")
+    if version == 1:
+        if cfg.fsdp_reshard_after_forward is not None:
+            raise ConfigError("fsdp_reshard_after_forward is an FSDP2 setting: with fsdp_version 1 set "
+                              "fsdp_sharding_strategy (FULL_SHARD or SHARD_GRAD_OP) instead")
+        if env_reshard is False:
+            raise ConfigError("the accelerate config sets fsdp_reshard_after_forward false, an FSDP2 setting: with "
+                              "fsdp_version 1 use fsdp_sharding_strategy SHARD_GRAD_OP instead")
+        strategy = pick("fsdp_sharding_strategy", cfg.fsdp_sharding_strategy, env_strategy, "FULL_SHARD")
+        if strategy not in FSDP1_STRATEGIES:
+            raise ConfigError(f"fsdp_sharding_strategy must be one of {', '.join(FSDP1_STRATEGIES)}, got {strategy}")
+        reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    else:
+        if cfg.fsdp_sharding_strategy is not None or env_strategy not in (None, "FULL_SHARD"):
+            raise ConfigError("fsdp_sharding_strategy is an FSDP1 setting: with fsdp_version 2 set "
+                              "fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP), and "
+                              "dp_replicate_size (accelerate: parallelism_config_dp_replicate_size) for HSDP")
+        reshard = pick("fsdp_reshard_after_forward", cfg.fsdp_reshard_after_forward, env_reshard, True)
+        strategy = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
 
-    env_precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
-    mixed_precision = pick("mixed_precision", cfg.mixed_precision, env_precision, "bf16")
-    if mixed_precision not in ("bf16", "no"):
-        raise ConfigError(f"mixed_precision must be bf16 or no, got {mixed_precision!r}")
+    env_replicate = (_env_int("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
+                     if _env_bool("ACCELERATE_USE_PARALLELISM_CONFIG") else None)
+    replicate = pick("dp_replicate_size", cfg.dp_replicate_size, env_replicate, None)
+    if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
+        raise ConfigError(f"dp_replicate_size {replicate} needs fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1")
+
+    wrap = pick("fsdp_auto_wrap_policy", cfg.fsdp_auto_wrap_policy, env(os.environ.get, "FSDP_AUTO_WRAP_POLICY"),
+                "TRANSFORMER_BASED_WRAP")
+    if wrap not in WRAP_POLICIES:
+        raise ConfigError(f"fsdp_auto_wrap_policy must be one of {', '.join(WRAP_POLICIES)}, got {wrap}")
+    layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap,
+                  env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP"), None)
+    min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
+                          100_000_000)
+
+    precision = pick("mixed_precision", cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"), "bf16")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+    prefetch = env(os.environ.get, "FSDP_BACKWARD_PREFETCH")
+    if prefetch and version == 2:
+        raise ConfigError("fsdp_backward_prefetch is an FSDP1 setting (FSDP2 always prefetches): remove it")
+    if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
+        raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
 
     return ShardingPlan(
-        fsdp_version=fsdp_version,
+        fsdp_version=version,
+        sharding_strategy=strategy,
+        reshard_after_forward=reshard,
+        dp_replicate_size=replicate,
+        auto_wrap_policy=wrap,
         layer_cls_names=[n.strip() for n in layers.split(",")] if layers else None,
-        reshard_after_forward=_env_bool("FSDP_RESHARD_AFTER_FORWARD") is not False,
-        mixed_precision=mixed_precision,
+        min_num_params=min_num_params,
+        offload_params=pick("fsdp_offload_params", cfg.fsdp_offload_params, env(_env_bool, "FSDP_OFFLOAD_PARAMS"),
+                            False),
+        activation_checkpointing=pick("fsdp_activation_checkpointing", cfg.fsdp_activation_checkpointing,
+                                      env(_env_bool, "FSDP_ACTIVATION_CHECKPOINTING"), False),
+        cpu_ram_efficient_loading=pick("fsdp_cpu_ram_efficient_loading", cfg.fsdp_cpu_ram_efficient_loading,
+                                       env(_env_bool, "FSDP_CPU_RAM_EFFICIENT_LOADING"), False),
+        mixed_precision=precision,
+        backward_prefetch=prefetch,
         overrides=overrides,
     )

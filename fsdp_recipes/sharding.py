@@ -1,14 +1,23 @@
-"""Apply a ShardingPlan to a model: FSDP2 `fully_shard` on every decoder layer, then on the root."""
+"""Apply a ShardingPlan to a model with FSDP1 or FSDP2, and the engine-aware helpers the trainer needs."""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+from . import fsdp1, fsdp2
 from .config import ConfigError
 from .plan import ShardingPlan
+
+MASTER_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
 
 
 def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type, ...]:
@@ -29,45 +38,129 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
     return tuple(by_name[n] for n in names)
 
 
-def mixed_precision_policy(plan: ShardingPlan) -> MixedPrecisionPolicy:
-    if plan.mixed_precision == "bf16":
-        # fp32 reduce: a bf16 reduce-scatter loses precision as the number of ranks grows.
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+def tied_parameter_ids(model: nn.Module) -> set[int]:
+    seen, tied = set(), set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (tied if id(param) in seen else seen).add(id(param))
+    return tied
 
 
-def shard_model(model: nn.Module, plan: ShardingPlan) -> None:
-    """Shard `model` in place; record in `plan.wrapped` what was wrapped."""
-    layer_classes = find_layer_classes(model, plan.layer_cls_names)
+def check_master_dtype(model: nn.Module, plan: ShardingPlan) -> None:
+    """The optimizer updates these weights: fp32 unless pure bf16 was asked for. Fail before any step is taken."""
+    expected = MASTER_DTYPE[plan.mixed_precision]
     for name, param in model.named_parameters():
-        if param.dtype != torch.float32:
-            raise ConfigError(f"master weights must be fp32, but {name} is {param.dtype}: load the model in fp32")
-    kwargs = {"mp_policy": mixed_precision_policy(plan), "reshard_after_forward": plan.reshard_after_forward}
-    layers = [m for m in model.modules() if isinstance(m, layer_classes)]
-    plan.wrapped = f"{len(layers)} x {', '.join(c.__name__ for c in layer_classes)}"
-    for layer in layers:
-        fully_shard(layer, **kwargs)
-    # The root group holds what no layer owns: embeddings, final norm and lm_head (tied or not, in one group).
-    fully_shard(model, **kwargs)
+        if param.dtype != expected:
+            raise ConfigError(f"master weights must be {expected} for mixed_precision={plan.mixed_precision}, but "
+                              f"{name} is {param.dtype}: load the model in {expected}")
+
+
+def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh | None:
+    """2-D (replicate x shard) for HSDP and FSDP1 HYBRID_SHARD, 1-D over all ranks otherwise."""
+    world = dist.get_world_size()
+    hybrid = plan.sharding_strategy == "HYBRID_SHARD" if plan.fsdp_version == 1 else (plan.dp_replicate_size or 1) > 1
+    if not hybrid:
+        plan.mesh_shape = (world,)
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    # FSDP1 HYBRID_SHARD's default: replicate across nodes, shard within a node.
+    replicate = plan.dp_replicate_size or world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % replicate:
+        raise ConfigError(f"dp_replicate_size {replicate} does not divide the {world} ranks")
+    if plan.fsdp_version == 1 and replicate == world:
+        # torch then switches to NO_SHARD within the 1-rank shard group and never all-reduces across replicas.
+        raise ConfigError(f"FSDP1 HYBRID_SHARD with dp_replicate_size {replicate} leaves 1 rank per shard group, "
+                          "which torch does not synchronise: use NO_SHARD, or fewer replicas")
+    plan.mesh_shape = (replicate, world // replicate)
+    return init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | None = None) -> nn.Module:
+    """Activation checkpointing, then sharding; returns the model to train (FSDP1 wraps it, FSDP2 shards in place).
+
+    Records in `plan` what was wrapped, on which mesh, and the parameter count before sharding.
+    """
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    check_master_dtype(model, plan)
+    layer_classes = find_layer_classes(model, plan.layer_cls_names)
+    plan.total_params = sum(p.numel() for p in model.parameters())
+    if plan.activation_checkpointing:
+        # Before sharding, so that FSDP's hooks sit outside the recomputed region; checkpoint_wrapper's default
+        # is the non-reentrant implementation, and its state-dict hooks strip the wrapper from the keys.
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_classes))
+    mesh = build_mesh(plan, device)
+    if plan.fsdp_version == 1:
+        layers = [m for m in model.modules() if isinstance(m, layer_classes)]
+        plan.wrapped = (f"{len(layers)} x {', '.join(c.__name__ for c in layer_classes)}"
+                        if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else "")
+        model = fsdp1.shard(model, layer_classes, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
+        if not plan.wrapped:
+            units = [m for m in model.modules() if isinstance(m, FSDP) and m is not model]
+            plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
+        return model
+    if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
+        units = fsdp2.size_based_units(model, plan.min_num_params, tied_parameter_ids(model))
+        plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
+    else:
+        # With activation checkpointing, shard the wrapper, so that FSDP's hooks run outside the checkpoint.
+        units = [m for m in model.modules()
+                 if isinstance(m, CheckpointWrapper if plan.activation_checkpointing else layer_classes)]
+        plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
+    fsdp2.shard(model, units, plan, mesh)
+    return model
+
+
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank holds: a DTensor's local shard (FSDP2); FSDP1's original parameters are already views
+    of the local shard (use_orig_params=True)."""
+    return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
 
 def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     """The resolved plan as rank 0 prints it at start."""
-    total = sum(p.numel() for p in model.parameters())
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    precision = (
-        "bf16 compute, fp32 master weights, fp32 gradient reduction"
-        if plan.mixed_precision == "bf16"
-        else "fp32 compute and reduction"
-    )
+    world = dist.get_world_size()
+    local = sum(local_numel(p) for p in model.parameters())
+    if plan.fsdp_version == 1:
+        engine = "FSDP1 (FullyShardedDataParallel)"
+        strategy = f"{plan.sharding_strategy}, mesh {' x '.join(map(str, plan.mesh_shape))}"
+    else:
+        engine = "FSDP2 (fully_shard)"
+        kind = "HSDP (replicate x shard)" if len(plan.mesh_shape) == 2 else "shard"
+        strategy = (f"{kind} mesh {' x '.join(map(str, plan.mesh_shape))}, "
+                    f"reshard_after_forward={plan.reshard_after_forward}")
+    precision = {
+        "bf16": "bf16 compute, fp32 master weights, fp32 gradient reduction, fp32 optimizer state",
+        "no": "fp32 compute, master weights, reduction and optimizer state",
+        "pure_bf16": "pure bf16: bf16 compute, master weights, reduction and optimizer state",
+    }[plan.mixed_precision]
     lines = [
-        f"engine: FSDP{plan.fsdp_version} (fully_shard) over {dist.get_world_size()} ranks",
+        f"engine: {engine} over {world} ranks",
         f"wrapped: {plan.wrapped}, then the root",
-        f"strategy: FULL_SHARD, reshard_after_forward={plan.reshard_after_forward}",
+        f"strategy: {strategy}",
         f"precision: {precision}",
-        "offload: none",
-        "activation checkpointing: off",
-        f"parameters: {total:,} total, {local:,} on rank {dist.get_rank()}",
+        f"offload: {'parameters, gradients and optimizer state on CPU' if plan.offload_params else 'none'}",
+        f"activation checkpointing: {'each decoder layer' if plan.activation_checkpointing else 'off'}",
+        f"loading: {'rank 0 reads the weights, broadcast while sharding' if plan.cpu_ram_efficient_loading else 'every rank reads the weights'}",
+        f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
     lines += [f"note: {o}" for o in plan.overrides]
     return "\n".join("  " + line for line in lines)
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch's forward and backward: with enabled=False gradients accumulate locally."""
+    if enabled:
+        return contextlib.nullcontext()
+    if isinstance(model, FSDP):
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return _fsdp2_no_sync(model)
+    return contextlib.nullcontext()  # an unsharded model has nothing to synchronise
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
 from .metrics import MetricsLogger
+from .sharding import gradient_sync
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -50,24 +52,29 @@ def step_token_counts(micro_batches: list[dict], device: torch.device) -> tuple[
 
 
 def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: float, world_size: int,
-                     device: torch.device) -> torch.Tensor:
+                     device: torch.device, sync_every_micro_batch: bool = True) -> torch.Tensor:
     """Accumulate the gradient of (sum of per-token losses of the step) / label_tokens; return this rank's sum.
 
     label_tokens counts the whole step on all ranks. FSDP averages gradients over ranks, so each rank scales by
-    world_size to turn that average back into the global sum.
+    world_size to turn that average back into the global sum. Without sync_every_micro_batch, gradients are
+    reduced after the last micro-batch only.
     """
     loss_sum = torch.zeros((), device=device)
-    for mb in micro_batches:
+    for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        mb_loss_sum = token_loss_sum(model(**model_inputs(mb)).logits, mb["labels"])
-        (mb_loss_sum * (world_size / label_tokens)).backward()
+        with gradient_sync(model, sync_every_micro_batch or i == len(micro_batches) - 1):
+            mb_loss_sum = token_loss_sum(model(**model_inputs(mb)).logits, mb["labels"])
+            (mb_loss_sum * (world_size / label_tokens)).backward()
         loss_sum += mb_loss_sum.detach()
     return loss_sum
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all ranks' shards (the same value on every rank), clipped when max_norm > 0."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    max_norm = max_norm if max_norm > 0 else math.inf
+    if isinstance(model, FSDP):
+        return model.clip_grad_norm_(max_norm)  # FSDP1's shards are plain tensors: it reduces the norm itself
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
@@ -99,7 +106,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         start = time.perf_counter()
         micro_batches = next(batches)
         label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
-        loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
+        loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
+                                    sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
 
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         learning_rate = scheduler.get_last_lr()[0]

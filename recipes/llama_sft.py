@@ -16,9 +16,9 @@ from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, print_rank0
 from fsdp_recipes.metrics import MetricsLogger
-from fsdp_recipes.model import export_dtype, load_model, load_tokenizer
+from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import describe_plan, shard_model
+from fsdp_recipes.sharding import describe_plan
 from fsdp_recipes.trainer import train
 
 
@@ -33,9 +33,8 @@ def main():
         # The eval split is only built and its size logged: no evaluation loop yet (README, "Not done yet").
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
 
-        # Model: fp32 master weights, every decoder layer sharded, then the root.
-        model = load_model(cfg)
-        shard_model(model, plan)
+        # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
+        model = load_sharded_model(cfg, plan, env.device)
         print_rank0("sharding plan:\n" + describe_plan(model, plan))
 
         # Training.

@@ -42,7 +42,7 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_accumulation_steps", "0"],
          "gradient_accumulation_steps must be at least 1"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "0"], "max_steps must be -1"),
-        (["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "1"], "fsdp_version must be 2"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "3"], "fsdp_version must be 1 or 2"),
     ],
 )
 def test_bad_values_are_explained(args, message):

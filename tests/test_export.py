@@ -10,9 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from conftest import torchrun
 
 
-@pytest.mark.parametrize("model_key", ["model", "tied_model"])
-def test_export_reloads_with_logits_equal_to_gathered_weights(tiny, tmp_path, model_key):
+@pytest.mark.parametrize("model_key, fsdp_version", [("model", 2), ("tied_model", 2), ("tied_model", 1)])
+def test_export_reloads_with_logits_equal_to_gathered_weights(tiny, tmp_path, model_key, fsdp_version):
     torchrun("tests/drivers/export_check.py", tmp_path, "--model_name_or_path", tiny[model_key],
+             "--fsdp_version", str(fsdp_version),
              "--dataset_name", tiny["data"], "--output_dir", tmp_path / "run", "--max_steps", "3",
              "--per_device_train_batch_size", "4", "--learning_rate", "1e-2")
     gathered = torch.load(tmp_path / "gathered.pt", weights_only=True)

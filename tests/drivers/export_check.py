@@ -3,13 +3,15 @@
     torchrun --nproc_per_node 2 tests/drivers/export_check.py <out_dir> <recipe args...>
 
 Writes <out_dir>/final_bf16 and <out_dir>/final_fp32 with save_hf_model, and <out_dir>/gathered.pt: every
-parameter gathered with DTensor.full_tensor(), a path independent of the exporter's state-dict gather.
+parameter gathered with DTensor.full_tensor() (FSDP1: summon_full_params), a path independent of the exporter's
+state-dict gather.
 """
 
 import os
 import sys
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_recipes.checkpoint import save_hf_model
 from fsdp_recipes.config import parse_config
@@ -27,9 +29,14 @@ with distributed() as env:
     tokenizer = load_tokenizer(cfg)
     dataset = build_train_dataset(cfg, tokenizer)
     model = load_model(cfg)
-    shard_model(model, resolve_plan(cfg))
+    model = shard_model(model, resolve_plan(cfg))
     train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
-    gathered = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
+    if isinstance(model, FSDP):  # FSDP1: its own all-gather, also independent of the exporter's
+        with FSDP.summon_full_params(model, writeback=False):
+            gathered = {name.replace("_fsdp_wrapped_module.", ""): param.detach().clone()
+                        for name, param in model.named_parameters()}
+    else:
+        gathered = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
     save_hf_model(model, tokenizer, os.path.join(out_dir, "final_bf16"), torch.bfloat16)
     save_hf_model(model, tokenizer, os.path.join(out_dir, "final_fp32"), torch.float32)
     if env.is_main:

@@ -1,0 +1,65 @@
+"""FSDP1: `FullyShardedDataParallel` with an auto-wrap policy (decoder layer classes, or size)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from .config import ConfigError
+from .plan import ShardingPlan
+
+
+def mixed_precision(plan: ShardingPlan) -> Optional[MixedPrecision]:
+    if plan.mixed_precision == "bf16":
+        # fp32 reduce, as for FSDP2; buffers (e.g. rotary frequencies) keep their dtype.
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan, mesh: Optional[DeviceMesh],
+          device: torch.device) -> FSDP:
+    if plan.offload_params and device.type == "cpu":
+        raise ConfigError("FSDP1 CPU offload (CPUOffload) needs a GPU: torch cannot run it on CPU. On CPU use "
+                          "fsdp_version 2, whose CPUOffloadPolicy works there")
+    if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
+        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=plan.min_num_params)
+    else:
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
+    is_meta = any(p.is_meta for p in model.parameters())
+    return FSDP(
+        model,
+        sharding_strategy=ShardingStrategy[plan.sharding_strategy],
+        cpu_offload=CPUOffload(offload_params=True) if plan.offload_params else None,
+        auto_wrap_policy=policy,
+        backward_prefetch=None if plan.backward_prefetch == "NO_PREFETCH"
+        else BackwardPrefetch[plan.backward_prefetch or "BACKWARD_PRE"],
+        mixed_precision=mixed_precision(plan),
+        # Meta-device ranks (rank-0 loading) get empty storage here; the weights are broadcast afterwards.
+        param_init_fn=_materializer(device) if is_meta else None,
+        device_id=device,  # also on CPU: without it FSDP1 asks for an accelerator
+        use_orig_params=True,  # the optimizer's weight-decay groups and the tests see the model's own parameters
+        device_mesh=mesh,
+    )
+
+
+def _materializer(device: torch.device):
+    """FSDP1's param_init_fn: empty storage for a module's meta parameters. Unlike `to_empty`, a parameter shared by
+    two modules (tied embeddings) gets one new parameter, so the tie survives."""
+    new_params: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta) -> (meta kept alive, new)
+
+    def materialize(module: nn.Module) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in new_params:
+                    new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    new_params[id(param)] = (param, new)
+                setattr(module, name, new_params[id(param)][1])
+
+    return materialize

@@ -1,0 +1,51 @@
+"""FSDP2: `fully_shard` on each wrapped unit (decoder layers, or modules chosen by size), then on the root."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from .plan import ShardingPlan
+
+
+def mixed_precision_policy(plan: ShardingPlan) -> MixedPrecisionPolicy:
+    if plan.mixed_precision == "bf16":
+        # fp32 reduce: a bf16 reduce-scatter loses precision as the number of ranks grows.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # "no" and "pure_bf16": compute in the dtype the parameters have
+
+
+def size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> list[nn.Module]:
+    """FSDP1's size-based policy for FSDP2: post-order, a module whose not-yet-wrapped parameters reach
+    min_num_params becomes a unit. Modules holding a tied parameter stay in the root (one FSDP2 group)."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> tuple[int, bool]:
+        numel, has_tied = 0, False
+        for child in module.children():
+            child_numel, child_tied = visit(child)
+            numel, has_tied = numel + child_numel, has_tied or child_tied
+        for param in module.parameters(recurse=False):
+            numel += param.numel()
+            has_tied = has_tied or id(param) in tied
+        # Containers (ModuleList) have no forward for FSDP2's hooks: their parameters go up to the parent.
+        has_forward = type(module).forward is not nn.Module.forward
+        if module is not model and has_forward and not has_tied and numel >= min_num_params:
+            units.append(module)
+            return 0, False
+        return numel, has_tied
+
+    visit(model)
+    return units
+
+
+def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: DeviceMesh) -> None:
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_params else OffloadPolicy()
+    kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed_precision_policy(plan),
+                  offload_policy=offload)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    # The root group holds what no unit owns: embeddings, final norm and lm_head (tied or not, in one group).
+    fully_shard(model, **kwargs)

@@ -1,0 +1,87 @@
+"""Train several sharding variants one after the other, each on a fresh model, and record what each rank holds.
+
+    torchrun --nproc_per_node 2 tests/drivers/sharding_run.py <out_dir> '<variants json>' <recipe args...>
+
+`variants` maps a name to extra recipe flags, e.g. {"fsdp1": {"fsdp_version": 1}}; a name starting with "unsharded"
+trains the plain model without FSDP (the single-process reference). For each variant it writes <out_dir>/<name>/
+metrics.jsonl (the trainer's), and <out_dir>/<name>/rank<r>.json: the plan's description and the bytes of
+parameters, gradients and optimizer state this rank holds after one extra optimizer step.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.data import build_dataloader, build_train_dataset
+from fsdp_recipes.distributed import distributed
+from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import describe_plan, local_numel
+from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, token_loss_sum, train
+
+
+def local_bytes(tensors) -> int:
+    return sum(local_numel(t) * t.element_size() for t in tensors)
+
+
+def held_bytes(model, cfg, env, batch) -> dict:
+    """One forward, backward and AdamW step; then the bytes of what this rank holds, from the tensors themselves,
+    and how often decoder layers ran forward (twice per layer with activation checkpointing: the recomputation)."""
+    optimizer = build_optimizer(model, cfg)
+    batch = {k: v.to(env.device) for k, v in batch.items()}
+    calls = []
+    # A pre-hook: the recomputation stops early, after the last tensor backward needs, so no post-hook fires.
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in model.modules()
+             if isinstance(m, LlamaDecoderLayer)]
+    token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                   batch["labels"]).backward()
+    for hook in hooks:
+        hook.remove()
+    grad_norm = clip_grad_norm(model, 0)  # 0: measure only; the trainer's engine-aware global norm
+    grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    return {"params": local_bytes(model.parameters()), "grads": grads, "optimizer_state": local_bytes(state),
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "state_dtypes": sorted({str(t.dtype) for t in state}),
+            "param_devices": sorted({p.device.type for p in params}),
+            "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
+            "layer_forward_calls": len(calls), "grad_norm": grad_norm.item()}
+
+
+def checkpoint_facts(model) -> dict:
+    """State-dict keys, and whether the input and output embeddings are still one parameter."""
+    inner = model.module if isinstance(model, FSDP) else model
+    tied = inner.config.tie_word_embeddings
+    return {"state_dict_keys": sorted(get_model_state_dict(model)),
+            "tied": inner.lm_head.weight is inner.model.embed_tokens.weight if tied else None}
+
+
+out_dir, variants, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
+with distributed() as env:
+    base = parse_config(argv)
+    tokenizer = load_tokenizer(base)
+    dataset = build_train_dataset(base, tokenizer)
+    for name, flags in variants.items():
+        extra = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+        cfg = parse_config(argv + extra + ["--output_dir", os.path.join(out_dir, name)])
+        torch.manual_seed(cfg.seed)
+        if name.startswith("unsharded"):
+            model, description = load_model(cfg).to(env.device), "unsharded"
+        else:
+            plan = resolve_plan(cfg)
+            model = load_sharded_model(cfg, plan, env.device)
+            description = describe_plan(model, plan)
+        train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
+        batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size)))
+        record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch)}
+        with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
+            json.dump(record, f)

@@ -1,0 +1,70 @@
+"""What only a GPU can check: NCCL, pinned CPU offload (FSDP2), FSDP1's CPUOffload, and the GPU accelerate configs.
+Run by bench/gpu_sharding_check.sh on a machine with GPUs; skipped without CUDA."""
+
+import json
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, read_metrics, run, torchrun
+from test_accelerate_configs import CONFIGS, CPU_CONFIGS, expected_plan
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+WORLD = torch.cuda.device_count()
+GPU_CONFIGS = [n for n in CONFIGS if n not in CPU_CONFIGS and n != "fsdp2_hsdp_multinode.yaml"]
+VARIANTS = {
+    "fsdp2": {"fsdp_version": 2},
+    "fsdp1": {"fsdp_version": 1},
+    "fsdp2_offload": {"fsdp_offload_params": "true", "fsdp_cpu_ram_efficient_loading": "true"},
+    "fsdp1_offload": {"fsdp_version": 1, "fsdp_offload_params": "true", "fsdp_cpu_ram_efficient_loading": "true"},
+    "fsdp2_bf16": {"mixed_precision": "bf16"},
+    **({"fsdp2_hsdp": {"dp_replicate_size": WORLD}} if WORLD > 1 else {}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    if 8 % WORLD:
+        pytest.skip(f"the global batch of 8 does not split over {WORLD} GPUs")
+    out = tmp_path_factory.mktemp("gpu")
+    common = ["--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--max_steps", "10",
+              "--gradient_accumulation_steps", "2", "--mixed_precision", "no", "--learning_rate", "1e-2",
+              "--max_seq_length", "64"]
+    torchrun("tests/drivers/sharding_run.py", out, json.dumps(VARIANTS), *common,
+             "--per_device_train_batch_size", str(8 // WORLD), nproc=WORLD)
+    run([sys.executable, "tests/drivers/sharding_run.py", out, json.dumps({"unsharded": {}}), *common,
+         "--per_device_train_batch_size", "8"], CUDA_VISIBLE_DEVICES="0")
+    return {name: {"losses": [m["loss"] for m in read_metrics(out / name / "metrics.jsonl")],
+                   "rank0": json.loads((out / name / "rank0.json").read_text())} for name in [*VARIANTS, "unsharded"]}
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "fsdp2_bf16"])
+def test_fp32_losses_on_gpu_equal_the_unsharded_process(runs, name):
+    reference = runs["unsharded"]["losses"]
+    assert max(abs(a - b) / b for a, b in zip(runs[name]["losses"], reference)) <= 1e-5
+
+
+def test_bf16_on_gpu_stays_close_to_fp32(runs):
+    reference = runs["unsharded"]["losses"]
+    assert 0 < max(abs(a - b) / b for a, b in zip(runs["fsdp2_bf16"]["losses"], reference)) <= 1e-2
+
+
+def test_offloaded_state_lives_in_cpu_memory(runs):
+    assert runs["fsdp2"]["rank0"]["param_devices"] == ["cuda"]
+    for name in ["fsdp2_offload", "fsdp1_offload"]:
+        assert runs[name]["rank0"]["param_devices"] == ["cpu"]
+    assert runs["fsdp2_offload"]["rank0"]["params_pinned"]  # pinned where an accelerator exists
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
+    config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    proc = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{name}",
+                "--num_processes", str(WORLD), "--main_process_port", "0", "recipes/llama_sft.py",
+                "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+                "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64"])
+    printed = proc.stdout.split("sharding plan:\n")[1].split("training:")[0]
+    assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config, WORLD)
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -1,0 +1,107 @@
+"""Resolving the sharding plan from the recipe config and accelerate's environment variables, and the errors for
+settings that cannot work. accelerate exports its config as these variables; the tests set them directly."""
+
+import pytest
+import torch
+
+from fsdp_recipes import demo, fsdp1
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import check_master_dtype, find_layer_classes
+
+ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
+    "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_VERSION": "2",
+    "FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_OFFLOAD_PARAMS": "false",
+    "FSDP_MIN_NUM_PARAMS": "100000000", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT", "FSDP_FORWARD_PREFETCH": "false", "FSDP_USE_ORIG_PARAMS": "true",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_SYNC_MODULE_STATES": "true",
+    "FSDP_ACTIVATION_CHECKPOINTING": "false", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "false",
+}
+
+
+@pytest.fixture
+def accelerate_env(monkeypatch):
+    for key, value in ACCELERATE_DEFAULTS.items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
+
+
+def plan_for(*args):
+    return resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args]))
+
+
+def test_defaults_without_a_launcher(monkeypatch):
+    for key in ACCELERATE_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    plan = plan_for()
+    assert (plan.fsdp_version, plan.reshard_after_forward, plan.mixed_precision) == (2, True, "bf16")
+    assert not (plan.offload_params or plan.activation_checkpointing or plan.cpu_ram_efficient_loading)
+    assert plan.overrides == []
+
+
+def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_env):
+    accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    plan = plan_for()
+    assert plan.activation_checkpointing and plan.cpu_ram_efficient_loading and plan.overrides == []
+    plan = plan_for("--fsdp_version", "1", "--mixed_precision", "no", "--fsdp_activation_checkpointing", "true")
+    assert (plan.fsdp_version, plan.sharding_strategy, plan.mixed_precision) == (1, "FULL_SHARD", "no")
+    assert plan.overrides == ["fsdp_version: recipe config 1 overrides accelerate config 2",
+                              "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'"]
+
+
+def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
+    accelerate_env.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    accelerate_env.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    assert plan_for().dp_replicate_size == 2
+
+
+@pytest.mark.parametrize("env, args, message", [
+    ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, [], "fsdp_sharding_strategy is an FSDP1 setting"),
+    ({}, ["--fsdp_sharding_strategy", "NO_SHARD"], "fsdp_sharding_strategy is an FSDP1 setting"),
+    ({}, ["--fsdp_version", "1", "--fsdp_reshard_after_forward", "false"], "an FSDP2 setting"),
+    ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
+    ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, [], "SHARDED_STATE_DICT is not supported yet"),
+    ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], "mixed_precision must be one of bf16, no, pure_bf16"),
+    ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
+    ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
+    ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
+    ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [], "fsdp_backward_prefetch is an FSDP1 setting"),
+    ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "needs fsdp_sharding_strategy HYBRID_SHARD"),
+    ({"FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "EARLY"}, [], "must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"),
+])
+def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message):
+    for key, value in env.items():
+        accelerate_env.setenv(key, value)
+    with pytest.raises(ConfigError, match=message):
+        plan_for(*args)
+
+
+def tiny_model(dtype=torch.float32):
+    return demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32,
+                                                        intermediate_size=64, num_hidden_layers=1)).to(dtype)
+
+
+def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
+    model = tiny_model()
+    assert [c.__name__ for c in find_layer_classes(model, None)] == ["LlamaDecoderLayer"]
+    with pytest.raises(ConfigError, match=r"names LlamaBlock, which is not a module class of LlamaForCausalLM; "
+                                          r"its module classes are: .*LlamaDecoderLayer.*LlamaRMSNorm"):
+        find_layer_classes(model, ["LlamaBlock"])
+
+
+def test_master_weights_must_have_the_planned_dtype(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    with pytest.raises(ConfigError, match=r"master weights must be torch.float32 .* is torch.bfloat16"):
+        check_master_dtype(tiny_model(torch.bfloat16), plan_for("--mixed_precision", "bf16"))
+    check_master_dtype(tiny_model(torch.bfloat16), plan_for("--mixed_precision", "pure_bf16"))
+    with pytest.raises(ConfigError, match=r"master weights must be torch.bfloat16"):
+        check_master_dtype(tiny_model(), plan_for("--mixed_precision", "pure_bf16"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a GPU")
+def test_fsdp1_offload_on_cpu_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plan = plan_for("--fsdp_version", "1", "--fsdp_offload_params", "true")
+    with pytest.raises(ConfigError, match="FSDP1 CPU offload .* needs a GPU.* use fsdp_version 2"):
+        fsdp1.shard(tiny_model(), (), plan, None, torch.device("cpu"))
