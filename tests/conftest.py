@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 def subprocess_env(**extra: str) -> dict:
     env = os.environ.copy()
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # Launched scripts import this checkout's package, whatever checkout the venv's editable install points at.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 

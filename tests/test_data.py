@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import datasets
 import pytest
@@ -266,17 +267,19 @@ def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
 
 
 def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_path):
+    train = tmp_path / "train.jsonl"  # a fresh path: other tests may have cached the tokenization of tiny["data"]
+    shutil.copy(tiny["data"], train)
     demo.write_jsonl(tmp_path / "extra.jsonl", [{"instruction": "reverse", "input": f"ab{i % 10}", "output": "ba"}
                                                 for i in range(37)])
     proc = torchrun("recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
-                    "--model_name_or_path", tiny["model"], "--dataset_name", f"{tiny['data']},{tmp_path}/extra.jsonl",
+                    "--model_name_or_path", tiny["model"], "--dataset_name", f"{train},{tmp_path}/extra.jsonl",
                     "--dataset_weights", "0.5,1", "--eval_fraction", "0.1", "--packing", "true",
                     "--max_seq_length", "64", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                     "--max_steps", "6", "--logging_steps", "3", "--output_dir", tmp_path / "out")
     # 256 - 25 held out = 231 x 0.5 = 116 (rounded), 37 - 3 held out = 34: 150 examples packed.
     assert "packed 150 examples into" in proc.stdout and "eval 28 examples" in proc.stdout
     # Rank 0 tokenized; rank 1 read its cache (no second progress bar).
-    assert proc.stderr.count(f"Tokenizing {tiny['data']} [train]: 100%") == 1, proc.stderr
+    assert proc.stderr.count(f"Tokenizing {train} [train]: 100%") == 1, proc.stderr
     metrics = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [3, 6]
     for m in metrics:
