@@ -1,16 +1,18 @@
-"""Entry-point helper: a config mistake ends the run with one clear line, not a traceback."""
+"""Entry point of every recipe: a config mistake ends the run with one clear line, and every run exits cleanly."""
 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 from .config import ConfigError
+from .distributed import exit_process
 
 
-def run_main(main: Callable[[], None]) -> None:
+def run_main(main: Callable[[], None]) -> NoReturn:
     try:
         main()
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        exit_process(2)
+    exit_process(0)

@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,17 @@ def distributed(timeout_minutes: int = 30):
         sys.stdout.flush()
         sys.stderr.flush()
         dist.destroy_process_group()
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """End the process at once, once its work is done and the process group destroyed.
+
+    This skips the interpreter's teardown, where gloo's worker threads can still abort a finished process
+    ("terminate called without an active exception", exit -6) and fail the whole launch.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def print_rank0(*args, **kwargs) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from fsdp_recipes.checkpoint import save_hf_model
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_train_dataset
-from fsdp_recipes.distributed import distributed
+from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
@@ -41,3 +41,4 @@ with distributed() as env:
     save_hf_model(model, tokenizer, os.path.join(out_dir, "final_fp32"), torch.float32)
     if env.is_main:
         torch.save(gathered, os.path.join(out_dir, "gathered.pt"))
+exit_process(0)

@@ -20,7 +20,7 @@ import torch
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import collate, pack_examples
 from fsdp_recipes.data_formats import tokenize_example
-from fsdp_recipes.distributed import distributed
+from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model
@@ -89,3 +89,4 @@ with distributed() as env:
     if env.is_main:
         with open(out_file, "w") as f:
             json.dump(result, f, indent=1)
+exit_process(0)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.distributed import distributed
+from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.model import load_sharded_model
 from fsdp_recipes.plan import resolve_plan
 
@@ -60,3 +60,4 @@ with distributed() as env:
         with open(os.path.join(out_dir, f"{name}_rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
         del model, full
+exit_process(0)

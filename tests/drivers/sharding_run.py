@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_dataloader, build_train_dataset
-from fsdp_recipes.distributed import distributed
+from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
@@ -85,3 +85,4 @@ with distributed() as env:
         record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch)}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
+exit_process(0)
