@@ -37,9 +37,6 @@ def _reject_unsupported_env() -> None:
     for var, what in unsupported.items():
         if _env_bool(var):
             raise ConfigError(f"the accelerate config asks for {what} ({var}=true), which is not supported yet")
-    state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
-    if state_dict_type != "FULL_STATE_DICT":
-        raise ConfigError(f"fsdp_state_dict_type {state_dict_type} is not supported yet: use FULL_STATE_DICT")
     wrap = os.environ.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     if wrap != "TRANSFORMER_BASED_WRAP":
         raise ConfigError(f"fsdp_auto_wrap_policy {wrap} is not supported yet: use TRANSFORMER_BASED_WRAP")

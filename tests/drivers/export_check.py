@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from fsdp_recipes.checkpoint import save_hf_model
+from fsdp_recipes.export import save_hf_model
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_train_dataset
 from fsdp_recipes.distributed import distributed
