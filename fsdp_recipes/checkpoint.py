@@ -277,10 +277,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
             for file in _safetensors_files(path):
                 with safe_open(file, "pt") as f:
                     full.update({name: f.get_tensor(name) for name in f.keys()})
-            names = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             for name in tied_parameter_names(model):
                 full[name] = full[_tied_source(model, name)]
-            assert set(full) == set(names), f"{path}: weights do not match the model"
+        # strict (the default): a missing or unexpected weight is an error.
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     optim_sd = get_optimizer_state_dict(model, optimizer)
     dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
