@@ -4,7 +4,7 @@
 
 The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: a 1.08 GB fp32 checkpoint.
 It is written once with the project's own save_checkpoint (one process, sharded format), then each converter
-runs in its own process, and its peak RSS is read from that process's rusage. Both write fp32 safetensors;
+runs in its own process, and its peak RSS (VmHWM) is read from /proc. Both write fp32 safetensors;
 accelerate always writes one file, the project's converter files of at most --max_shard_size.
 """
 
@@ -46,18 +46,29 @@ def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size
 
 
 def measure(cmd: list[str]) -> tuple[float, float]:
-    """Wall time in seconds and peak RSS in MB of `cmd`, run as its own process."""
+    """Wall time in seconds and peak RSS in MB of `cmd`, run as its own process.
+
+    The peak is the process's VmHWM, polled from /proc: rusage's ru_maxrss would also count this (large) parent,
+    whose memory the child shares until its exec.
+    """
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
+    peak_kb = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                peak_kb = max([peak_kb, *(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass  # the process ended between poll() and open()
+        time.sleep(0.02)
+    if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed")
-    return time.perf_counter() - start, usage.ru_maxrss / 1024  # ru_maxrss is in KB on Linux
+    return time.perf_counter() - start, peak_kb / 1024
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work_dir", required=True, help="an empty or new folder (needs about 3x the model size)")
+    parser.add_argument("--work_dir", required=True, help="an empty or new folder (needs about 5x the model size on disk)")
     parser.add_argument("--hidden_size", type=int, default=1024)
     parser.add_argument("--num_layers", type=int, default=16)
     parser.add_argument("--vocab_size", type=int, default=32000)

@@ -108,8 +108,14 @@ def resolve_state_dict_type(cfg: TrainConfig) -> str:
     """save_state_dict_type, else the accelerate config's fsdp_state_dict_type, else sharded."""
     if cfg.save_state_dict_type:
         return cfg.save_state_dict_type
-    env = os.environ.get("FSDP_STATE_DICT_TYPE") if os.environ.get("ACCELERATE_USE_FSDP") else None
-    return {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}.get(env, "sharded") if env else "sharded"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
+        return "sharded"
+    accelerate_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    formats = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
+    if accelerate_type not in formats:
+        raise ConfigError(f"fsdp_state_dict_type {accelerate_type} is not supported: use FULL_STATE_DICT or "
+                          f"SHARDED_STATE_DICT")
+    return formats[accelerate_type]
 
 
 def checkpoint_steps(output_dir: str) -> list[int]:

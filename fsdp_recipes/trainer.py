@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import get_scheduler
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
@@ -63,6 +63,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     scheduler = get_scheduler(
         cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
     )
+    if cfg.save_steps:
+        resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
     wandb_run_id = logger.wandb_run.id if logger.wandb_run is not None else None

@@ -6,6 +6,7 @@ a checkpoint every 2 steps), so that a resume lands in the middle of an epoch.
 
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -16,10 +17,12 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_recipes.checkpoint import CheckpointError, validate_checkpoint
+from fsdp_recipes.checkpoint import CheckpointError, resolve_state_dict_type, validate_checkpoint
+from fsdp_recipes.config import parse_config
 from fsdp_recipes.convert import convert
 
 from conftest import read_metrics, run, torchrun
+from test_readme import readme_commands
 
 RECIPE = "recipes/llama_sft.py"
 
@@ -55,6 +58,16 @@ def reference(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference")
     torchrun(RECIPE, *recipe_args(tiny, out, "--save_total_limit", "2"))
     return out
+
+
+def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])
+    assert resolve_state_dict_type(cfg) == "sharded"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+    assert resolve_state_dict_type(cfg) == "full"
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--save_state_dict_type", "sharded"])
+    assert resolve_state_dict_type(cfg) == "sharded"
 
 
 def test_retention_latest_and_layout(reference):
@@ -158,24 +171,30 @@ def test_resume_into_a_different_model_is_refused_before_writing(tiny, reference
 
 def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_path):
     checkpoint = reference / "checkpoint-6"
-    # The README's command, with shards small enough that the tiny model needs several files and an index.
-    run([sys.executable, "-m", "fsdp_recipes.convert", checkpoint, tmp_path / "bf16", "--dtype", "bf16",
-         "--max_shard_size", "100KB"])
-    convert(str(checkpoint), str(tmp_path / "fp32"))
-    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    # The README's command, with its example paths replaced.
+    [command] = [c for c in readme_commands() if "fsdp_recipes.convert" in c]
+    paths = {"outputs/llama/checkpoint-500": str(checkpoint), "outputs/llama/hf": str(tmp_path / "bf16")}
+    args = [paths.get(a, a) for a in shlex.split(command)]
+    assert args[:3] == ["python", "-m", "fsdp_recipes.convert"] and "--dtype" in args
+    run([sys.executable, *args[1:]])
+    # Shards small enough that the tiny model needs several files and an index.
+    convert(str(checkpoint), str(tmp_path / "fp32"), torch.float32, "100KB")
+    index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
     for name in ["config.json", "tokenizer.json", "generation_config.json"]:
-        assert (tmp_path / "bf16" / name).is_file()
+        assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
+    assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
 
     # The run's final/ (fp32) holds the gathered weights at step 6, the step of the checkpoint.
     gathered = final_weights(reference)
-    assert_same_weights(load_file(tmp_path / "fp32" / "model.safetensors"), gathered)
     config = AutoConfig.from_pretrained(reference / "final")
     inputs = torch.randint(5, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     for dtype, folder in [(torch.bfloat16, "bf16"), (torch.float32, "fp32")]:
         converted = AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
         assert converted.dtype == dtype
         assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()
+        if dtype == torch.float32:
+            assert_same_weights({k: v for k, v in converted.state_dict().items() if k in gathered}, gathered)
         expected = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         expected.load_state_dict({k: v.to(dtype) for k, v in gathered.items()}, strict=False)
         expected.tie_weights()
