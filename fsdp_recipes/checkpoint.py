@@ -236,7 +236,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
     else:
         # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
-        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, fresh=False)
+        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size)
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if rank == 0:
@@ -252,19 +252,21 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         with open(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), "w") as f:
             f.write(os.path.basename(final))
         os.replace(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), os.path.join(cfg.output_dir, LATEST_NAME))
-        _apply_retention(cfg)
+        _apply_retention(cfg, step)
     dist.barrier()
     print_rank0(f"saved {final} ({fmt})")
     return final
 
 
-def _apply_retention(cfg: TrainConfig) -> None:
-    """Keep the newest save_total_limit checkpoints; remove folders of saves that were killed."""
+def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
+    """Keep the newest save_total_limit checkpoints, always including the one just saved (which `latest` names,
+    even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves."""
     for name in os.listdir(cfg.output_dir):
         if name.startswith("checkpoint-") and name.endswith((".tmp", ".old")):
             shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
     if cfg.save_total_limit:
-        for step in checkpoint_steps(cfg.output_dir)[: -cfg.save_total_limit]:
+        others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]
+        for step in others[: max(0, len(others) - (cfg.save_total_limit - 1))]:
             shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{step}"))
 
 

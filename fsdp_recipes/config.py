@@ -82,7 +82,8 @@ class TrainConfig:
     run_name: Optional[str] = field(default=None, metadata={"help": "W&B run name."})
     wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
     resume_from_checkpoint: Optional[str] = field(
-        default=None, metadata={"help": "Checkpoint folder to resume, or auto: the newest in output_dir (none: start fresh)."}
+        default=None,
+        metadata={"help": "Checkpoint folder to resume, or auto: the newest in output_dir (if none: start fresh)."},
     )
 
     def __post_init__(self):

@@ -84,20 +84,23 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
     Tied weights are written once and reload tied. The folder is written under a temporary name and renamed when
     complete, so a crash never leaves a half-written model where a finished one is expected.
     """
-    write_full_weights(model, out_dir + ".tmp", dtype, max_shard_size, fresh=True)
+    tmp_dir = out_dir.rstrip("/") + ".tmp"
     if dist.get_rank() == 0:
-        write_model_files(model, tokenizer, out_dir + ".tmp", dtype)
-        replace_dir(out_dir + ".tmp", out_dir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    write_full_weights(model, tmp_dir, dtype, max_shard_size)
+    if dist.get_rank() == 0:
+        write_model_files(model, tokenizer, tmp_dir, dtype)
+        replace_dir(tmp_dir, out_dir)
     dist.barrier()
 
 
-def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size, fresh: bool) -> None:
+def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size) -> None:
     """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_model_state_dict(model, options=options)  # full tensors on rank 0, empty elsewhere
+    # Offloading to CPU what is already on CPU breaks FSDP1 (a segfault, or "storage of size 0"); on an
+    # accelerator it keeps the full tensors off the GPU and on rank 0 only.
+    on_accelerator = next(model.parameters()).device.type != "cpu"
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator))
     if dist.get_rank() == 0:
-        if fresh:
-            shutil.rmtree(out_dir, ignore_errors=True)
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_recipes.checkpoint import CheckpointError, resolve_state_dict_type, validate_checkpoint
+from fsdp_recipes.checkpoint import CheckpointError, _apply_retention, resolve_state_dict_type, validate_checkpoint
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.convert import convert
 
@@ -80,6 +80,16 @@ def test_retention_latest_and_layout(reference):
     assert sorted(os.listdir(reference / "checkpoint-4" / "rng")) == ["rank_0.pt", "rank_1.pt"]
 
 
+def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
+    # A resume from checkpoint-2 left checkpoint-6 of the earlier run behind; the new checkpoint-4 is `latest`.
+    for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"]:
+        (tmp_path / name).mkdir()
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_total_limit", "1"])
+    _apply_retention(cfg, saved_step=4)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
+
+
 def test_resume_mid_epoch_gives_equal_losses_and_weights(tiny, reference, tmp_path):
     torchrun(RECIPE, *recipe_args(tiny, tmp_path, "--resume_from_checkpoint", reference / "checkpoint-4"))
     resumed, uninterrupted = losses(tmp_path), losses(reference)
@@ -89,10 +99,16 @@ def test_resume_mid_epoch_gives_equal_losses_and_weights(tiny, reference, tmp_pa
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
 
 
-def test_two_process_checkpoint_loads_exactly_into_one_process(tiny, reference, tmp_path):
-    checkpoint = reference / "checkpoint-4"
-    run([sys.executable, "tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt",
-         *recipe_args(tiny, tmp_path / "unused")])
+@pytest.mark.parametrize("saved_by, loaded_by", [(2, 1), (1, 2)])
+def test_checkpoint_loads_exactly_into_another_world_size(tiny, reference, tmp_path, saved_by, loaded_by):
+    if saved_by == 2:
+        checkpoint = reference / "checkpoint-4"
+    else:
+        run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "one", "--max_steps", "2")])
+        checkpoint = tmp_path / "one" / "checkpoint-2"
+    loader = ["tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt", *recipe_args(tiny, tmp_path / "x")]
+    proc = run([sys.executable, *loader]) if loaded_by == 1 else torchrun(*loader)
+    assert f"saved by {saved_by} ranks, this run has {loaded_by}: RNG states are not restored" in proc.stdout
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     for part in ["model", "optimizer"]:
         dcp_to_torch_save(checkpoint / part, tmp_path / f"{part}.pt")
