@@ -54,9 +54,10 @@ def snapshot(path: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory) -> Path:
-    """The uninterrupted run, keeping the newest 2 checkpoints."""
+    """The uninterrupted run, keeping the newest 2 checkpoints, logging to an offline W&B run."""
     out = tmp_path_factory.mktemp("reference")
-    torchrun(RECIPE, *recipe_args(tiny, out, "--save_total_limit", "2"))
+    torchrun(RECIPE, *recipe_args(tiny, out, "--save_total_limit", "2", "--report_to", "wandb"),
+             WANDB_DIR=str(out))
     return out
 
 
@@ -72,12 +73,14 @@ def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
 
 def test_retention_latest_and_layout(reference):
     assert sorted(p.name for p in reference.iterdir()) == ["checkpoint-4", "checkpoint-6", "final", "latest",
-                                                           "metrics.jsonl"]
+                                                           "metrics.jsonl", "wandb"]
     assert (reference / "latest").read_text() == "checkpoint-6"
     state = validate_checkpoint(str(reference / "checkpoint-4"))
     assert (state["step"], state["epoch"], state["world_size"], state["format"]) == (4, 0, 2, "sharded")
     assert state["config"]["gradient_accumulation_steps"] == 2 and state["scheduler"]["last_epoch"] == 4
     assert sorted(os.listdir(reference / "checkpoint-4" / "rng")) == ["rank_0.pt", "rank_1.pt"]
+    [wandb_run] = (reference / "wandb").glob("offline-run-*")
+    assert state["wandb_run_id"] and wandb_run.name.endswith("-" + state["wandb_run_id"])
 
 
 def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
