@@ -149,6 +149,13 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
     assert losses(tmp_path) == {step: uninterrupted[step] for step in range(start + 1, 7)}
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
     assert not list(tmp_path.glob("*.tmp"))
+    if fmt == "full":
+        # A truncated safetensors file of a full checkpoint is refused too.
+        shutil.copytree(tmp_path / "checkpoint-6", tmp_path / "truncated")
+        weights = tmp_path / "truncated" / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+        with pytest.raises(CheckpointError, match="truncated/model.safetensors is corrupt or truncated"):
+            validate_checkpoint(str(tmp_path / "truncated"))
 
 
 def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
