@@ -150,6 +150,9 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
     assert not list(tmp_path.glob("*.tmp"))
     if fmt == "full":
+        # The full checkpoint folder itself loads with from_pretrained, with the fp32 weights of its step.
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-6").state_dict()
+        assert_same_weights({k: v for k, v in loaded.items() if k != "lm_head.weight"}, final_weights(reference))
         # A truncated safetensors file of a full checkpoint is refused too.
         shutil.copytree(tmp_path / "checkpoint-6", tmp_path / "truncated")
         weights = tmp_path / "truncated" / "model.safetensors"
