@@ -1,55 +1,307 @@
-"""Save the trained model as a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads."""
+"""Training checkpoints: save, validate, resume, `latest` and retention.
+
+A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
+- `model/`: the model, with `torch.distributed.checkpoint` (each rank writes its shards) when the format is
+  "sharded"; in the "full" format the folder itself holds the fp32 weights as HF safetensors, written by rank 0.
+- `optimizer/`: the optimizer state (DCP, each rank its shards; DCP reloads it into any world size).
+- `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
+- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run id and the resolved config.
+- `config.json`, `generation_config.json`, tokenizer files: what the converter needs to write an HF folder.
+
+A save is written to `checkpoint-<step>.tmp` and renamed by rank 0 once every rank has finished; `latest` (a text
+file naming the newest checkpoint) is replaced after the rename. A kill at any moment leaves the previous
+checkpoint complete and `latest` pointing at it.
+"""
 
 from __future__ import annotations
 
-import copy
+import json
 import os
+import pickle
+import random
+import re
 import shutil
+from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch import nn
-from transformers import PreTrainedModel
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .config import ConfigError, TrainConfig
+from .distributed import print_rank0
+from .export import INDEX_NAME, replace_dir, state_dict_name, tied_parameter_names, write_full_weights, write_model_files
+
+STATE_NAME = "trainer_state.json"
+LATEST_NAME = "latest"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# Config entries that may differ between a checkpoint and the run resuming it.
+_RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path"}
 
 
-def tied_parameter_names(model: nn.Module) -> set[str]:
-    """Names of parameters that alias an earlier one (lm_head.weight when embeddings are tied)."""
-    first_name: dict[int, str] = {}
-    tied = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")  # state-dict keys
-        if id(param) in first_name:
-            tied.add(name)
-        first_name.setdefault(id(param), name)
-    return tied
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used; the message names the problem and the path."""
 
 
-def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.dtype) -> None:
-    """Every rank takes part in the gather; rank 0 writes `out_dir` atomically.
+# --- Reading DCP metadata without unpickling arbitrary objects --------------------------------------------------
 
-    Tied weights are written once and reload tied. The folder is written under a temporary name and renamed when complete, so a crash never leaves a
-    half-written model where a finished one is expected.
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: allow only the classes DCP metadata is made of."""
+
+    def find_class(self, module, name):
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                                  ("collections", "OrderedDict"), ("pathlib", "PosixPath")}
+            or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                 (torch.dtype, torch.layout, torch.memory_format)))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is read with an allow-list unpickler (tensors are already weights_only)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_dcp_metadata(path: str):
+    """The metadata of the DCP folder `path`, after checking that every file it refers to is complete."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"{path} is incomplete: its .metadata file is missing")
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as error:  # a truncated pickle raises EOFError, UnpicklingError, ...
+        raise CheckpointError(f"{path}/.metadata cannot be read ({type(error).__name__}: {error})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path} is incomplete: {name} is missing (a rank did not finish writing)")
+        if os.path.getsize(file) < size:
+            raise CheckpointError(f"{file} is truncated: {os.path.getsize(file)} bytes, expected at least {size}")
+    return metadata
+
+
+# --- Format, paths ----------------------------------------------------------------------------------------------
+
+def resolve_state_dict_type(cfg: TrainConfig) -> str:
+    """save_state_dict_type, else the accelerate config's fsdp_state_dict_type, else sharded."""
+    if cfg.save_state_dict_type:
+        return cfg.save_state_dict_type
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
+        return "sharded"
+    accelerate_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    formats = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
+    if accelerate_type not in formats:
+        raise ConfigError(f"fsdp_state_dict_type {accelerate_type} is not supported: use FULL_STATE_DICT or "
+                          f"SHARDED_STATE_DICT")
+    return formats[accelerate_type]
+
+
+def checkpoint_steps(output_dir: str) -> list[int]:
+    """Steps of the complete checkpoints in `output_dir` (renamed from .tmp), oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    matches = (_CHECKPOINT_RE.match(name) for name in os.listdir(output_dir))
+    return sorted(int(m.group(1)) for m in matches if m)
+
+
+def validate_checkpoint(path: str) -> dict:
+    """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable."""
+    if path.rstrip("/").endswith(".tmp"):
+        raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): resume from a checkpoint-<step> folder")
+    state_file = os.path.join(path, STATE_NAME)
+    if not os.path.isdir(path) or not os.path.isfile(state_file):
+        raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
+                              f"(expected a checkpoint-<step> folder written by this project)")
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{state_file} is corrupt or truncated: {error}") from None
+    if state.get("format") == "sharded":
+        read_dcp_metadata(os.path.join(path, "model"))
+    else:
+        for file in _safetensors_files(path):
+            try:
+                with safe_open(file, "pt") as f:
+                    f.keys()
+            except Exception as error:
+                raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
+    read_dcp_metadata(os.path.join(path, "optimizer"))
+    for rank in range(state["world_size"]):
+        if not os.path.isfile(os.path.join(path, "rng", f"rank_{rank}.pt")):
+            raise CheckpointError(f"{path} is incomplete: rng/rank_{rank}.pt is missing")
+    return state
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = ["model.safetensors"]
+    missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: {', '.join(missing)} missing")
+    return [os.path.join(path, n) for n in names]
+
+
+def resolve_resume(cfg: TrainConfig, model: nn.Module) -> Optional[str]:
+    """The checkpoint to resume from, validated against `model`; None to start from scratch.
+
+    `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
+    Nothing is written or deleted here.
     """
-    # FSDP1's full state dict with CPU offload crashes when the parameters are on the CPU already.
-    on_cpu_fsdp1 = isinstance(model, FSDP) and next(model.parameters()).device.type == "cpu"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu_fsdp1)
-    state_dict = get_model_state_dict(model, options=options)  # full tensors on rank 0, empty elsewhere
-    if dist.get_rank() == 0:
-        tied = tied_parameter_names(model)
-        state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items() if name not in tied}
-        tmp_dir = out_dir.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        model.save_pretrained(tmp_dir, state_dict=state_dict, safe_serialization=True)
-        # save_pretrained records the dtype of the fp32 master weights; the file holds `dtype`.
-        config = copy.deepcopy(model.config)
-        config.dtype, config.use_cache = dtype, True
-        config.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        old_dir = out_dir.rstrip("/") + ".old"
-        if os.path.exists(out_dir):
-            os.replace(out_dir, old_dir)
-        os.replace(tmp_dir, out_dir)
-        shutil.rmtree(old_dir, ignore_errors=True)
+    path = cfg.resume_from_checkpoint
+    if not path:
+        return None
+    if path == "auto":
+        latest = os.path.join(cfg.output_dir, LATEST_NAME)
+        if not os.path.isfile(latest):
+            print_rank0(f"resume: no checkpoint in {cfg.output_dir} yet, starting from step 0")
+            return None
+        with open(latest) as f:
+            path = os.path.join(cfg.output_dir, f.read().strip())
+    validate_checkpoint(path)
+    # Through the model's own config class, so that defaults not written to config.json compare equal.
+    saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
+    current = model.config.to_dict()
+    differ = sorted(k for k in set(saved) | set(current)
+                    if k not in _RUNTIME_CONFIG_KEYS and saved.get(k) != current.get(k))
+    if differ:
+        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, model {current.get(k)!r}" for k in differ[:5])
+        raise CheckpointError(f"{path} was saved from a different model config ({details})")
+    return path
+
+
+# --- Save -------------------------------------------------------------------------------------------------------
+
+def _rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # A tensor, not an ndarray: the file must load with weights_only=True.
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
+                    wandb_run_id: Optional[str]) -> str:
+    """Every rank calls this. Returns the path of the finished checkpoint."""
+    fmt = resolve_state_dict_type(cfg)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
+
+    if fmt == "sharded":
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
+    else:
+        # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
+        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size)
+    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    if rank == 0:
+        write_model_files(model, tokenizer, tmp, torch.float32)
+        state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
+                 "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict()}
+        with open(os.path.join(tmp, STATE_NAME), "w") as f:
+            json.dump(state, f, indent=2)
+    dist.barrier()  # every rank has written its files
+
+    if rank == 0:
+        replace_dir(tmp, final)
+        with open(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), os.path.join(cfg.output_dir, LATEST_NAME))
+        _apply_retention(cfg, step)
+    dist.barrier()
+    print_rank0(f"saved {final} ({fmt})")
+    return final
+
+
+def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
+    """Keep the newest save_total_limit checkpoints, always including the one just saved (which `latest` names,
+    even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves."""
+    for name in os.listdir(cfg.output_dir):
+        if name.startswith("checkpoint-") and name.endswith((".tmp", ".old")):
+            shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
+    if cfg.save_total_limit:
+        others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]
+        for step in others[: max(0, len(others) - (cfg.save_total_limit - 1))]:
+            shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{step}"))
+
+
+# --- Load -------------------------------------------------------------------------------------------------------
+
+def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and (same world size only) RNG states. Every rank calls this."""
+    state = validate_checkpoint(path)
+    if state["format"] == "sharded":
+        model_sd = get_model_state_dict(model)
+        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
+        set_model_state_dict(model, model_sd)
+    else:
+        full = {}
+        if dist.get_rank() == 0:
+            for file in _safetensors_files(path):
+                with safe_open(file, "pt") as f:
+                    full.update({name: f.get_tensor(name) for name in f.keys()})
+            for name in tied_parameter_names(model):
+                full[name] = full[_tied_source(model, name)]
+        # strict (the default): a missing or unexpected weight is an error.
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
+    set_optimizer_state_dict(model, optimizer, optim_sd)
+    scheduler.load_state_dict(state["scheduler"])
+    if state["world_size"] == dist.get_world_size():
+        _set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"), weights_only=True))
+    else:
+        print_rank0(f"resume: {path} was saved by {state['world_size']} ranks, this run has "
+                    f"{dist.get_world_size()}: RNG states are not restored")
+    print_rank0(f"resumed from {path} at step {state['step']}")
+    return state
+
+
+def _tied_source(model: nn.Module, tied_name: str) -> str:
+    params = {state_dict_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    return next(state_dict_name(n) for n, p in model.named_parameters() if p is params[tied_name])

@@ -127,11 +127,23 @@ class TrainConfig:
 
     # Logging and saving.
     logging_steps: int = field(default=1, metadata={"help": "Log every N optimizer steps."})
-    save_steps: int = field(default=0, metadata={"help": "Save a checkpoint every N steps; 0: only at the end."})
+    save_steps: int = field(
+        default=0, metadata={"help": "Save a checkpoint every N steps and at the end; 0: only final/ at the end."}
+    )
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "Keep the newest N checkpoints."})
+    save_state_dict_type: Optional[Literal["full", "sharded"]] = field(
+        default=None,
+        metadata={"help": "Checkpoint format: sharded (DCP, each rank its shards) or full (rank 0 writes HF "
+                          "safetensors). Default: the accelerate config's fsdp_state_dict_type, else sharded."},
+    )
+    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors file of an HF folder."})
     report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "none or wandb (rank 0 logs)."})
     run_name: Optional[str] = field(default=None, metadata={"help": "W&B run name."})
     wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "Checkpoint folder to resume."})
+    resume_from_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={"help": "Checkpoint folder to resume, or auto: the newest in output_dir (if none: start fresh)."},
+    )
 
     def __post_init__(self):
         required = {"model_name_or_path": self.model_name_or_path, "dataset_name": self.dataset_name}
@@ -154,10 +166,10 @@ class TrainConfig:
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
         if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
             raise ConfigError(f"dp_replicate_size must be at least 1, got {self.dp_replicate_size}")
-        if self.resume_from_checkpoint:
-            raise ConfigError("resume_from_checkpoint is not supported yet: remove it (see README, 'Not done yet')")
-        if self.save_steps:
-            raise ConfigError("save_steps is not supported yet: set it to 0 (see README, 'Not done yet')")
+        if self.save_steps < 0:
+            raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

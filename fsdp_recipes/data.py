@@ -216,17 +216,25 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
     )
 
 
-def optimizer_step_batches(loader: DataLoader, accumulation: int) -> Iterator[list[dict]]:
+def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: int = 0) -> Iterator[list[dict]]:
     """Endless stream of optimizer steps, each a list of `accumulation` micro-batches, reshuffled every epoch.
 
     Micro-batches left over at the end of an epoch (fewer than `accumulation`) are dropped, so every step has
-    the same shape on every rank. The order depends only on the seed and the epoch.
+    the same shape on every rank. The order depends only on the seed and the epoch. `start_step` skips that many steps (on resume): the epoch and the sampler order
+    are the same as in an uninterrupted run, and skipped batches are never loaded.
     """
-    epoch = 0
+    steps_per_epoch = len(loader) // accumulation
+    epoch, skip = divmod(start_step, steps_per_epoch)
     while True:
         loader.sampler.set_epoch(epoch)
+        epoch_loader = loader
+        if skip:
+            # Drop the first batches' indices only; the sampler order is that of set_epoch(epoch).
+            batches = list(loader.batch_sampler)[skip * accumulation:]
+            epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn)
+            skip = 0
         step: list[dict] = []
-        for batch in loader:
+        for batch in epoch_loader:
             step.append(batch)
             if len(step) == accumulation:
                 yield step

@@ -67,9 +67,6 @@ def _reject_unsupported_env() -> None:
                           "need the original parameters; set it to true")
     if os.environ.get("FSDP_IGNORED_MODULES"):
         raise ConfigError("fsdp_ignored_modules is not supported: remove it from the accelerate config")
-    state_dict_type = os.environ.get("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
-    if state_dict_type != "FULL_STATE_DICT":
-        raise ConfigError(f"fsdp_state_dict_type {state_dict_type} is not supported yet: use FULL_STATE_DICT")
 
 
 def resolve_plan(cfg: TrainConfig) -> ShardingPlan:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
+from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
@@ -90,19 +91,26 @@ def count_total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
-def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger) -> None:
+def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
+          resume_from: str | None = None) -> None:
+    """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated)."""
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size)
     total_steps = count_total_steps(cfg, len(loader))
+    steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(
         cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
     )
-    batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps)
+    if cfg.save_steps:
+        resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
+    start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
+    batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
+    wandb_run_id = logger.wandb_run.id if logger.wandb_run is not None else None
     print_rank0(f"training: {total_steps} steps of {cfg.gradient_accumulation_steps} x "
                 f"{cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
 
     model.train()
-    for step in range(1, total_steps + 1):
+    for step in range(start_step + 1, total_steps + 1):
         start = time.perf_counter()
         micro_batches = next(batches)
         label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
@@ -131,3 +139,5 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             })
             print_rank0(f"step {step}/{total_steps} loss {loss_sum.item() / label_tokens:.4f} "
                         f"lr {learning_rate:.2e} grad_norm {grad_norm.item():.3f}")
+        if cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps):
+            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch, wandb_run_id)

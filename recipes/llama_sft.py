@@ -10,11 +10,12 @@ import os
 
 from transformers import set_seed
 
-from fsdp_recipes.checkpoint import save_hf_model
+from fsdp_recipes.checkpoint import resolve_resume
 from fsdp_recipes.cli import run_main
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, print_rank0
+from fsdp_recipes.export import save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
@@ -37,13 +38,16 @@ def main():
         model = load_sharded_model(cfg, plan, env.device)
         print_rank0("sharding plan:\n" + describe_plan(model, plan))
 
+        # Resume: the checkpoint is checked against this model before anything is written.
+        resume_from = resolve_resume(cfg, model)
+
         # Training.
         logger = MetricsLogger(cfg, env.is_main, extra_config={"sharding_plan": vars(plan)})
-        train(cfg, env, model, tokenizer, train_dataset, logger)
+        train(cfg, env, model, tokenizer, train_dataset, logger, resume_from)
         logger.close()
 
         # Export: a folder that AutoModelForCausalLM.from_pretrained loads.
-        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg))
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
         print_rank0(f"saved {cfg.output_dir}/final")
 
 

@@ -13,7 +13,7 @@ import sys
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-from fsdp_recipes.checkpoint import save_hf_model
+from fsdp_recipes.export import save_hf_model
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_train_dataset
 from fsdp_recipes.distributed import distributed, exit_process

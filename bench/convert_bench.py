@@ -1,0 +1,103 @@
+"""Time and peak memory of `python -m fsdp_recipes.convert` against `accelerate merge-weights`, on one checkpoint.
+
+    python bench/convert_bench.py --work_dir /tmp/convert_bench [--hidden_size 1024 --num_layers 16]
+
+The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: a 1.08 GB fp32 checkpoint.
+It is written once with the project's own save_checkpoint (one process, sharded format), then each converter
+runs in its own process, and its peak RSS (VmHWM) is read from /proc. Both write fp32 safetensors;
+accelerate always writes one file, the project's converter files of at most --max_shard_size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size: int) -> tuple[str, int]:
+    from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
+
+    from fsdp_recipes import demo
+    from fsdp_recipes.checkpoint import save_checkpoint
+    from fsdp_recipes.config import TrainConfig
+    from fsdp_recipes.distributed import distributed
+    from fsdp_recipes.trainer import build_optimizer
+
+    tokenizer = demo.build_tokenizer()
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=int(hidden_size * 2.75),
+                         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64,
+                         num_key_value_heads=hidden_size // 64, tie_word_embeddings=False)
+    cfg = TrainConfig(model_name_or_path="bench", dataset_name="bench", output_dir=work_dir, save_steps=1,
+                      save_state_dict_type="sharded")
+    with distributed():  # a one-process group in memory
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        optimizer = build_optimizer(model, cfg)  # no step taken: the optimizer folder stays small
+        scheduler = get_scheduler("constant", optimizer)
+        path = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step=1, epoch=0, wandb_run_id=None)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return path, size
+
+
+def measure(cmd: list[str]) -> tuple[float, float]:
+    """Wall time in seconds and peak RSS in MB of `cmd`, run as its own process.
+
+    The peak is the process's VmHWM, polled from /proc: rusage's ru_maxrss would also count this (large) parent,
+    whose memory the child shares until its exec.
+    """
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    peak_kb = 0
+    while proc.poll() is None:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                peak_kb = max([peak_kb, *(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))])
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass  # the process ended between poll() and open()
+        time.sleep(0.02)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed")
+    return time.perf_counter() - start, peak_kb / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work_dir", required=True, help="an empty or new folder (needs about 5x the model size on disk)")
+    parser.add_argument("--hidden_size", type=int, default=1024)
+    parser.add_argument("--num_layers", type=int, default=16)
+    parser.add_argument("--vocab_size", type=int, default=32000)
+    parser.add_argument("--max_shard_size", default="100MB")
+    args = parser.parse_args()
+    if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
+        raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes a fresh checkpoint there")
+
+    checkpoint, size = make_checkpoint(args.work_dir, args.hidden_size, args.num_layers, args.vocab_size)
+    python = sys.executable
+    tools = {
+        "baseline (python -c 'import fsdp_recipes.convert')": [python, "-c", "import fsdp_recipes.convert"],
+        f"fsdp_recipes.convert (--max_shard_size {args.max_shard_size})":
+            [python, "-m", "fsdp_recipes.convert", checkpoint, os.path.join(args.work_dir, "ours"),
+             "--dtype", "fp32", "--max_shard_size", args.max_shard_size],
+        "baseline (python -c 'import accelerate.commands.accelerate_cli')":
+            [python, "-c", "import accelerate.commands.accelerate_cli"],
+        "accelerate merge-weights": [python, "-m", "accelerate.commands.accelerate_cli", "merge-weights",
+                                     os.path.join(checkpoint, "model"), os.path.join(args.work_dir, "accelerate")],
+    }
+    results = {}
+    for name, cmd in tools.items():
+        seconds, peak_mb = measure(cmd)
+        results[name] = {"seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb)}
+    print(f"checkpoint: {checkpoint}, model weights {size / 1e9:.2f} GB (fp32)")
+    for name, r in results.items():
+        print(f"{name:70s} {r['seconds']:8.2f} s {r['peak_rss_mb']:8d} MB peak RSS")
+    print(json.dumps({"model_bytes": size, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Run the llama_sft recipe, and SIGKILL rank 1 at a chosen point, as a crash or a pre-emption would.
+
+    torchrun --nproc_per_node 2 tests/drivers/ckpt_kill.py <after_checkpoint|during_save> <k> <recipe args...>
+
+after_checkpoint: rank 1 dies right after its k-th checkpoint is complete.
+during_save: rank 1 dies inside the k-th save, after writing its model shards and before the rename.
+"""
+
+import os
+import signal
+import sys
+
+import torch.distributed as dist
+
+import fsdp_recipes.checkpoint
+import fsdp_recipes.trainer
+
+mode, k = sys.argv[1], int(sys.argv[2])
+sys.argv = ["llama_sft.py", *sys.argv[3:]]
+saves = {"count": 0}
+
+
+def kill_rank1() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if mode == "after_checkpoint":
+    save_checkpoint = fsdp_recipes.trainer.save_checkpoint
+
+    def save_then_kill(*args, **kwargs):
+        path = save_checkpoint(*args, **kwargs)
+        saves["count"] += 1
+        if saves["count"] == k:
+            kill_rank1()
+        return path
+
+    fsdp_recipes.trainer.save_checkpoint = save_then_kill
+else:
+    get_optimizer_state_dict = fsdp_recipes.checkpoint.get_optimizer_state_dict
+
+    def kill_in_kth_save(*args, **kwargs):
+        # Called once per save, after the model shards are written and before the optimizer's.
+        saves["count"] += 1
+        if saves["count"] == k:
+            kill_rank1()
+        return get_optimizer_state_dict(*args, **kwargs)
+
+    fsdp_recipes.checkpoint.get_optimizer_state_dict = kill_in_kth_save
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
+from llama_sft import main  # noqa: E402
+from fsdp_recipes.cli import run_main  # noqa: E402
+
+run_main(main)

@@ -1,0 +1,243 @@
+"""Checkpoints: exact resume, world-size change, kills during and after a save, retention, bad input, conversion.
+
+Every test compares against one uninterrupted 2-process run (fp32, accumulation 2, 6 steps of a 16-step epoch,
+a checkpoint every 2 steps), so that a resume lands in the middle of an epoch.
+"""
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fsdp_recipes.checkpoint import CheckpointError, _apply_retention, resolve_state_dict_type, validate_checkpoint
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.convert import convert
+
+from conftest import read_metrics, run, torchrun
+from test_readme import readme_commands
+
+RECIPE = "recipes/llama_sft.py"
+
+
+def recipe_args(tiny, output_dir, *extra):
+    return ["--model_name_or_path", tiny["tied_model"], "--dataset_name", tiny["data"], "--output_dir", output_dir,
+            "--max_steps", "6", "--save_steps", "2", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "2", "--mixed_precision", "no", "--max_seq_length", "64",
+            "--learning_rate", "1e-2", "--save_dtype", "float32", *extra]
+
+
+def losses(output_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(Path(output_dir) / "metrics.jsonl")}
+
+
+def final_weights(output_dir) -> dict[str, torch.Tensor]:
+    return load_file(Path(output_dir) / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def snapshot(path: Path) -> dict[str, int]:
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory) -> Path:
+    """The uninterrupted run, keeping the newest 2 checkpoints, logging to an offline W&B run."""
+    out = tmp_path_factory.mktemp("reference")
+    torchrun(RECIPE, *recipe_args(tiny, out, "--save_total_limit", "2", "--report_to", "wandb"),
+             WANDB_DIR=str(out))
+    return out
+
+
+def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])
+    assert resolve_state_dict_type(cfg) == "sharded"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
+    assert resolve_state_dict_type(cfg) == "full"
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--save_state_dict_type", "sharded"])
+    assert resolve_state_dict_type(cfg) == "sharded"
+
+
+def test_retention_latest_and_layout(reference):
+    assert sorted(p.name for p in reference.iterdir()) == ["checkpoint-4", "checkpoint-6", "final", "latest",
+                                                           "metrics.jsonl", "wandb"]
+    assert (reference / "latest").read_text() == "checkpoint-6"
+    state = validate_checkpoint(str(reference / "checkpoint-4"))
+    assert (state["step"], state["epoch"], state["world_size"], state["format"]) == (4, 0, 2, "sharded")
+    assert state["config"]["gradient_accumulation_steps"] == 2 and state["scheduler"]["last_epoch"] == 4
+    assert sorted(os.listdir(reference / "checkpoint-4" / "rng")) == ["rank_0.pt", "rank_1.pt"]
+    [wandb_run] = (reference / "wandb").glob("offline-run-*")
+    assert state["wandb_run_id"] and wandb_run.name.endswith("-" + state["wandb_run_id"])
+
+
+def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
+    # A resume from checkpoint-2 left checkpoint-6 of the earlier run behind; the new checkpoint-4 is `latest`.
+    for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"]:
+        (tmp_path / name).mkdir()
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_total_limit", "1"])
+    _apply_retention(cfg, saved_step=4)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
+
+
+def test_resume_mid_epoch_gives_equal_losses_and_weights(tiny, reference, tmp_path):
+    torchrun(RECIPE, *recipe_args(tiny, tmp_path, "--resume_from_checkpoint", reference / "checkpoint-4"))
+    resumed, uninterrupted = losses(tmp_path), losses(reference)
+    assert list(resumed) == [5, 6]
+    for step, loss in resumed.items():
+        assert loss == uninterrupted[step], step  # exact: same floats, not approximately
+    assert_same_weights(final_weights(tmp_path), final_weights(reference))
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [(2, 1), (1, 2)])
+def test_checkpoint_loads_exactly_into_another_world_size(tiny, reference, tmp_path, saved_by, loaded_by):
+    if saved_by == 2:
+        checkpoint = reference / "checkpoint-4"
+    else:
+        run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "one", "--max_steps", "2")])
+        checkpoint = tmp_path / "one" / "checkpoint-2"
+    loader = ["tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt", *recipe_args(tiny, tmp_path / "x")]
+    proc = run([sys.executable, *loader]) if loaded_by == 1 else torchrun(*loader)
+    assert f"saved by {saved_by} ranks, this run has {loaded_by}: RNG states are not restored" in proc.stdout
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    for part in ["model", "optimizer"]:
+        dcp_to_torch_save(checkpoint / part, tmp_path / f"{part}.pt")
+    saved_model = torch.load(tmp_path / "model.pt", weights_only=True)
+    saved_optim = torch.load(tmp_path / "optimizer.pt", weights_only=True)["state"]
+    assert_same_weights(loaded["model"], saved_model)
+    assert loaded["optimizer"].keys() == saved_optim.keys()
+    for name, state in saved_optim.items():
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert torch.equal(loaded["optimizer"][name][key], value), (name, key)
+    assert loaded["lr"] == [json.loads((checkpoint / "trainer_state.json").read_text())["scheduler"]["_last_lr"][0]] * 2
+
+
+@pytest.mark.parametrize("mode, fmt", [("after_checkpoint", "full"), ("during_save", "sharded")])
+def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_path, mode, fmt):
+    args = recipe_args(tiny, tmp_path, "--save_state_dict_type", fmt, "--resume_from_checkpoint", "auto")
+    # The first run starts from scratch (auto, no checkpoint yet); rank 1 is killed at the second save.
+    killed = torchrun("tests/drivers/ckpt_kill.py", mode, 2, *args, expect_rc=1)
+    assert "resume: no checkpoint" in killed.stdout
+    if mode == "after_checkpoint":
+        assert (tmp_path / "latest").read_text() == "checkpoint-4"
+        assert validate_checkpoint(str(tmp_path / "checkpoint-4"))["format"] == "full"
+    else:
+        # The save in progress is left under .tmp; the previous checkpoint is complete and `latest` names it.
+        assert (tmp_path / "checkpoint-4.tmp").is_dir() and not (tmp_path / "checkpoint-4").exists()
+        assert (tmp_path / "latest").read_text() == "checkpoint-2"
+        validate_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert not (tmp_path / "final").exists()
+
+    resumed = torchrun(RECIPE, *args)
+    start = 4 if mode == "after_checkpoint" else 2
+    assert f"resumed from {tmp_path / f'checkpoint-{start}'} at step {start}" in resumed.stdout
+    uninterrupted = losses(reference)
+    assert losses(tmp_path) == {step: uninterrupted[step] for step in range(start + 1, 7)}
+    assert_same_weights(final_weights(tmp_path), final_weights(reference))
+    assert not list(tmp_path.glob("*.tmp"))
+    if fmt == "full":
+        # The full checkpoint folder itself loads with from_pretrained, with the fp32 weights of its step.
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-6").state_dict()
+        assert_same_weights({k: v for k, v in loaded.items() if k != "lm_head.weight"}, final_weights(reference))
+        # A truncated safetensors file of a full checkpoint is refused too.
+        shutil.copytree(tmp_path / "checkpoint-6", tmp_path / "truncated")
+        weights = tmp_path / "truncated" / "model.safetensors"
+        os.truncate(weights, weights.stat().st_size // 2)
+        with pytest.raises(CheckpointError, match="truncated/model.safetensors is corrupt or truncated"):
+            validate_checkpoint(str(tmp_path / "truncated"))
+
+
+def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
+    cases = {}
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "missing_rank")
+    os.remove(tmp_path / "missing_rank" / "model" / "__1_0.distcp")
+    cases["missing_rank"] = r"missing_rank/model is incomplete: __1_0.distcp is missing"
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "truncated")
+    shard = tmp_path / "truncated" / "optimizer" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+    cases["truncated"] = r"truncated/optimizer/__0_0.distcp is truncated"
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "bad_metadata")
+    os.truncate(tmp_path / "bad_metadata" / "model" / ".metadata", 100)
+    cases["bad_metadata"] = r"bad_metadata/model/.metadata cannot be read"
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "no_rng")
+    os.remove(tmp_path / "no_rng" / "rng" / "rank_1.pt")
+    cases["no_rng"] = r"no_rng is incomplete: rng/rank_1.pt is missing"
+    (tmp_path / "not_a_checkpoint").mkdir()
+    cases["not_a_checkpoint"] = r"not_a_checkpoint is not a checkpoint: it has no trainer_state.json"
+    before = snapshot(tmp_path)
+    for name, message in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            validate_checkpoint(str(tmp_path / name))
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_into_a_different_model_is_refused_before_writing(tiny, reference, tmp_path):
+    checkpoint = reference / "checkpoint-6"
+    before = snapshot(reference)
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"],
+                "--output_dir", tmp_path / "out", "--max_steps", "6", "--resume_from_checkpoint", checkpoint],
+               expect_rc=2)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {checkpoint} was saved from a different model config (tie_word_embeddings: "
+                           f"checkpoint True, model False")
+    assert not (tmp_path / "out").exists()
+    assert snapshot(reference) == before
+
+
+def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_path):
+    checkpoint = reference / "checkpoint-6"
+    # The README's command, with its example paths replaced.
+    [command] = [c for c in readme_commands() if "fsdp_recipes.convert" in c]
+    paths = {"outputs/llama/checkpoint-500": str(checkpoint), "outputs/llama/hf": str(tmp_path / "bf16")}
+    args = [paths.get(a, a) for a in shlex.split(command)]
+    assert args[:3] == ["python", "-m", "fsdp_recipes.convert"] and "--dtype" in args
+    run([sys.executable, *args[1:]])
+    # Shards small enough that the tiny model needs several files and an index.
+    convert(str(checkpoint), str(tmp_path / "fp32"), torch.float32, "100KB")
+    index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    for name in ["config.json", "tokenizer.json", "generation_config.json"]:
+        assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
+    assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
+
+    # The run's final/ (fp32) holds the gathered weights at step 6, the step of the checkpoint.
+    gathered = final_weights(reference)
+    config = AutoConfig.from_pretrained(reference / "final")
+    inputs = torch.randint(5, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    for dtype, folder in [(torch.bfloat16, "bf16"), (torch.float32, "fp32")]:
+        converted = AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
+        assert converted.dtype == dtype
+        assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()
+        if dtype == torch.float32:
+            assert_same_weights({k: v for k, v in converted.state_dict().items() if k in gathered}, gathered)
+        expected = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        expected.load_state_dict({k: v.to(dtype) for k, v in gathered.items()}, strict=False)
+        expected.tie_weights()
+        with torch.no_grad():
+            assert torch.equal(converted(inputs).logits, expected(inputs).logits)
+
+
+def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
+    (tmp_path / "not_a_checkpoint").mkdir()
+    with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):
+        convert(str(tmp_path / "not_a_checkpoint"), str(tmp_path / "out"))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="taken already exists and is not empty"):
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "taken"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_checkpoint", "taken"]
+    assert os.listdir(tmp_path / "taken") == ["keep.txt"]
