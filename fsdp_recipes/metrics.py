@@ -16,13 +16,23 @@ class MetricsLogger:
             return
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        open(self.path, "w").close()
         if cfg.report_to == "wandb":
             import wandb
 
             self.wandb_run = wandb.init(
                 project=cfg.wandb_project, name=cfg.run_name, config={**cfg.to_dict(), **(extra_config or {})}
             )
+
+    def start_at(self, step: int) -> None:
+        """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest."""
+        if not self.is_main:
+            return
+        kept = []
+        if step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
 
     def log(self, metrics: dict) -> None:
         if not self.is_main:

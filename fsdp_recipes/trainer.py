@@ -104,6 +104,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     if cfg.save_steps:
         resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
+    logger.start_at(start_step)
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
     wandb_run_id = logger.wandb_run.id if logger.wandb_run is not None else None
     print_rank0(f"training: {total_steps} steps of {cfg.gradient_accumulation_steps} x "

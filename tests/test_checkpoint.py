@@ -146,7 +146,8 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
     start = 4 if mode == "after_checkpoint" else 2
     assert f"resumed from {tmp_path / f'checkpoint-{start}'} at step {start}" in resumed.stdout
     uninterrupted = losses(reference)
-    assert losses(tmp_path) == {step: uninterrupted[step] for step in range(start + 1, 7)}
+    # metrics.jsonl keeps the steps up to the checkpoint, drops those the killed run logged after it, continues.
+    assert losses(tmp_path) == uninterrupted
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
     assert not list(tmp_path.glob("*.tmp"))
     if fmt == "full":

@@ -60,7 +60,6 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({}, ["--fsdp_sharding_strategy", "NO_SHARD"], "fsdp_sharding_strategy is an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--fsdp_reshard_after_forward", "false"], "an FSDP2 setting"),
     ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
-    ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, [], "SHARDED_STATE_DICT is not supported yet"),
     ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], "mixed_precision must be one of bf16, no, pure_bf16"),
     ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
