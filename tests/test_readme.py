@@ -21,8 +21,11 @@ def readme_commands() -> list[str]:
 
 
 def test_readme_shows_the_commands_the_tests_run():
-    # make demo and make test are run by test_demo.py and by CI itself.
-    assert readme_commands()[:2] == ["make demo", "make test"]
+    # make demo: test_demo.py; make test: CI; accelerate launch: below; the converter: test_checkpoint.py.
+    tested = ("make demo", "make test", "accelerate launch ", "python -m fsdp_recipes.convert ")
+    commands = readme_commands()
+    assert commands[:2] == ["make demo", "make test"]
+    assert [c for c in commands if not c.startswith(tested)] == []
 
 
 def test_gpu_command_runs_with_local_model_and_data(tiny, tmp_path):
