@@ -31,7 +31,7 @@ demo: $(STAMP)
 		--min_accuracy $(DEMO_MIN_ACCURACY)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=10 tests
 
 clean:
 	rm -rf $(VENV) demo
