@@ -115,6 +115,19 @@ def local_numel(tensor: torch.Tensor) -> int:
     return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
 
+def original_ndims(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> the number of dimensions of the parameter as the model defines it. FSDP1's original
+    parameters (use_orig_params=True) are 1-D views of this rank's shard, so their shapes come from the flat
+    parameter's records; FSDP2's DTensors and unsharded parameters report their own."""
+    ndims = {id(p): p.ndim for p in model.parameters()}
+    for unit in model.modules():
+        handle = unit._handle if isinstance(unit, FSDP) else None
+        if handle is not None:
+            flat = handle.flat_param
+            ndims.update({id(param): len(shape) for param, shape in zip(flat._params, flat._shapes)})
+    return ndims
+
+
 def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     """The resolved plan as rank 0 prints it at start."""
     world = dist.get_world_size()

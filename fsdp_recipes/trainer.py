@@ -17,16 +17,19 @@ from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
 from .distributed import DistEnv, print_rank0
 from .metrics import MetricsLogger
-from .sharding import gradient_sync
+from .sharding import gradient_sync, original_ndims
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW; biases and norm weights (the 1-D parameters) get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
+    ndims = original_ndims(model)
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if ndims[id(p)] >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if ndims[id(p)] < 2], "weight_decay": 0.0},
     ]
+    # torch's set_optimizer_state_dict gives an empty group the hyperparameters of another group, which then has none.
+    groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
 

@@ -1,7 +1,8 @@
 """Checkpoints: exact resume, world-size change, kills during and after a save, retention, bad input, conversion.
 
 Every test compares against one uninterrupted 2-process run (fp32, accumulation 2, 6 steps of a 16-step epoch,
-a checkpoint every 2 steps), so that a resume lands in the middle of an epoch.
+a checkpoint every 2 steps), so that a resume lands in the middle of an epoch: FSDP2's, and for the resume and
+world-size tests also FSDP1's.
 """
 
 import json
@@ -31,7 +32,9 @@ def recipe_args(tiny, output_dir, *extra):
     return ["--model_name_or_path", tiny["tied_model"], "--dataset_name", tiny["data"], "--output_dir", output_dir,
             "--max_steps", "6", "--save_steps", "2", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "2", "--mixed_precision", "no", "--max_seq_length", "64",
-            "--learning_rate", "1e-2", "--save_dtype", "float32", *extra]
+            "--learning_rate", "1e-2", "--save_dtype", "float32",
+            # Weight decay on the matrices only: a parameter put in the wrong group changes the numbers.
+            "--weight_decay", "0.1", *extra]
 
 
 def losses(output_dir) -> dict[int, float]:
@@ -48,17 +51,47 @@ def assert_same_weights(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
+def dcp_contents(folder: Path, tmp_path: Path) -> dict:
+    """A DCP folder's contents, gathered into one dict."""
+    out = tmp_path / "dcp_contents.pt"  # read back at once, so each call may overwrite it
+    dcp_to_torch_save(folder, out)
+    return torch.load(out, weights_only=True)
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, state in b.items():
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        # Both moments exist and differ: the trap where exp_avg comes back as a copy of exp_avg_sq would show.
+        assert not torch.equal(state["exp_avg"], state["exp_avg_sq"]), name
+        for key, value in state.items():
+            assert torch.equal(a[name][key], value), (name, key)
+
+
 def snapshot(path: Path) -> dict[str, int]:
     return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
-def reference(tiny, tmp_path_factory) -> Path:
-    """The uninterrupted run, keeping the newest 2 checkpoints, logging to an offline W&B run."""
-    out = tmp_path_factory.mktemp("reference")
-    torchrun(RECIPE, *recipe_args(tiny, out, "--save_total_limit", "2", "--report_to", "wandb"),
-             WANDB_DIR=str(out))
-    return out
+def references(tiny, tmp_path_factory):
+    """fsdp_version -> the uninterrupted run of that engine (made on first use), keeping the newest 2 checkpoints,
+    logging to an offline W&B run."""
+    runs = {}
+
+    def reference(fsdp_version: int) -> Path:
+        if fsdp_version not in runs:
+            out = tmp_path_factory.mktemp(f"reference_fsdp{fsdp_version}")
+            torchrun(RECIPE, *recipe_args(tiny, out, "--fsdp_version", fsdp_version, "--save_total_limit", "2",
+                                          "--report_to", "wandb"), WANDB_DIR=str(out))
+            runs[fsdp_version] = out
+        return runs[fsdp_version]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> Path:
+    return references(2)
 
 
 def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
@@ -93,36 +126,51 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
-def test_resume_mid_epoch_gives_equal_losses_and_weights(tiny, reference, tmp_path):
-    torchrun(RECIPE, *recipe_args(tiny, tmp_path, "--resume_from_checkpoint", reference / "checkpoint-4"))
-    resumed, uninterrupted = losses(tmp_path), losses(reference)
-    assert list(resumed) == [5, 6]
-    for step, loss in resumed.items():
-        assert loss == uninterrupted[step], step  # exact: same floats, not approximately
-    assert_same_weights(final_weights(tmp_path), final_weights(reference))
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_resume_mid_epoch_gives_equal_losses_optimizer_and_weights(tiny, references, tmp_path, fsdp_version):
+    reference = references(fsdp_version)
+    engine = ["--fsdp_version", fsdp_version]
+    # From the sharded checkpoint-4, saving full checkpoints at steps 5 and 6; then from the full checkpoint-5.
+    torchrun(RECIPE, *recipe_args(tiny, tmp_path / "from_sharded", *engine, "--resume_from_checkpoint",
+                                  reference / "checkpoint-4", "--save_state_dict_type", "full", "--save_steps", "1"))
+    torchrun(RECIPE, *recipe_args(tiny, tmp_path / "from_full", *engine, "--resume_from_checkpoint",
+                                  tmp_path / "from_sharded" / "checkpoint-5"))
+    uninterrupted = losses(reference)
+    saved_optimizer = dcp_contents(reference / "checkpoint-6" / "optimizer", tmp_path)
+    for resumed, first_step in [(tmp_path / "from_sharded", 5), (tmp_path / "from_full", 6)]:
+        # Exact: the same floats, not approximately.
+        assert losses(resumed) == {step: uninterrupted[step] for step in range(first_step, 7)}
+        assert_same_weights(final_weights(resumed), final_weights(reference))
+        # Adam's moments at step 6 are the uninterrupted run's only if those at the resumed step were restored.
+        optimizer = dcp_contents(resumed / "checkpoint-6" / "optimizer", tmp_path)
+        assert_same_optimizer_state(optimizer["state"], saved_optimizer["state"])
+        assert optimizer["param_groups"] == saved_optimizer["param_groups"]
 
 
-@pytest.mark.parametrize("saved_by, loaded_by", [(2, 1), (1, 2)])
-def test_checkpoint_loads_exactly_into_another_world_size(tiny, reference, tmp_path, saved_by, loaded_by):
+@pytest.mark.parametrize("fsdp_version, saved_by, loaded_by", [(2, 2, 1), (2, 1, 2), (1, 2, 1)])
+def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_path, fsdp_version, saved_by,
+                                                          loaded_by):
+    engine = ["--fsdp_version", fsdp_version]
     if saved_by == 2:
-        checkpoint = reference / "checkpoint-4"
+        checkpoint = references(fsdp_version) / "checkpoint-4"
     else:
-        run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "one", "--max_steps", "2")])
+        run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "one", *engine, "--max_steps", "2")])
         checkpoint = tmp_path / "one" / "checkpoint-2"
-    loader = ["tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt", *recipe_args(tiny, tmp_path / "x")]
+    loader = ["tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt",
+              *recipe_args(tiny, tmp_path / "x", *engine)]
     proc = run([sys.executable, *loader]) if loaded_by == 1 else torchrun(*loader)
     assert f"saved by {saved_by} ranks, this run has {loaded_by}: RNG states are not restored" in proc.stdout
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
-    for part in ["model", "optimizer"]:
-        dcp_to_torch_save(checkpoint / part, tmp_path / f"{part}.pt")
-    saved_model = torch.load(tmp_path / "model.pt", weights_only=True)
-    saved_optim = torch.load(tmp_path / "optimizer.pt", weights_only=True)["state"]
+    saved_model = dcp_contents(checkpoint / "model", tmp_path)
+    saved_optim = dcp_contents(checkpoint / "optimizer", tmp_path)
     assert_same_weights(loaded["model"], saved_model)
-    assert loaded["optimizer"].keys() == saved_optim.keys()
-    for name, state in saved_optim.items():
-        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
-        for key, value in state.items():
-            assert torch.equal(loaded["optimizer"][name][key], value), (name, key)
+    assert_same_optimizer_state(loaded["optimizer"]["state"], saved_optim["state"])
+    assert loaded["optimizer"]["param_groups"] == saved_optim["param_groups"]
+    # Weight decay on the matrices, none on the norm weights (FSDP1's sharded parameters are all 1-D views).
+    decay, no_decay = saved_optim["param_groups"]
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert {saved_model[name].ndim for name in decay["params"]} == {2}
+    assert {saved_model[name].ndim for name in no_decay["params"]} == {1}
     assert loaded["lr"] == [json.loads((checkpoint / "trainer_state.json").read_text())["scheduler"]["_last_lr"][0]] * 2
 
 

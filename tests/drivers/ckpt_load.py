@@ -23,12 +23,14 @@ checkpoint, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 cfg = parse_config(argv)
 with distributed() as env:
     model = load_model(cfg)
-    shard_model(model, resolve_plan(cfg))
+    model = shard_model(model, resolve_plan(cfg))  # FSDP1 returns its wrapper
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=cfg.max_steps)
     load_checkpoint(checkpoint, model, optimizer, scheduler)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # No cpu_offload: the tensors are on CPU already, and with it FSDP1 on CPU segfaults (model) or returns
+    # exp_avg_sq in place of exp_avg (optimizer).
+    full = StateDictOptions(full_state_dict=True)
     model_sd = get_model_state_dict(model, options=full)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
     if env.is_main:
-        torch.save({"model": model_sd, "optimizer": optim_sd["state"], "lr": scheduler.get_last_lr()}, out)
+        torch.save({"model": model_sd, "optimizer": optim_sd, "lr": scheduler.get_last_lr()}, out)
