@@ -13,6 +13,7 @@ def run_main(main: Callable[[], None]) -> NoReturn:
     try:
         main()
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # One write per line: every rank reports the same error, and print's separate newline write interleaves.
+        sys.stderr.write(f"error: {error}\n")
         exit_process(2)
     exit_process(0)

@@ -63,16 +63,29 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
                 raise ConfigError(f"{name} holds no examples") from None
             raise _parse_error(name, error) from error
     elif os.path.isdir(name) and _is_saved_folder(name):
-        dataset = datasets.load_from_disk(name)
-        if isinstance(dataset, datasets.DatasetDict):
-            if split not in dataset:
-                raise ConfigError(f"{name} has no split '{split}'; its splits are {list(dataset)}")
-            dataset = dataset[split]
+        dataset = _load_saved_folder(name, split)
     else:
         dataset = datasets.load_dataset(name, config_name, split=split)
     if len(dataset) == 0:
         raise ConfigError(f"{name} (split {split}) holds no examples")
     return dataset
+
+
+def _load_saved_folder(name: str, split: str) -> datasets.Dataset:
+    """A `save_to_disk` folder: a Dataset, or the one split wanted of a DatasetDict, read alone so that another
+    split cannot break the load."""
+    path = name
+    dict_file = os.path.join(name, "dataset_dict.json")
+    if os.path.isfile(dict_file):
+        with open(dict_file) as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            raise ConfigError(f"{name} has no split '{split}'; its splits are {splits}")
+        path = os.path.join(name, split)
+    try:
+        return datasets.load_from_disk(path)
+    except IndexError:  # datasets cannot read back a split saved with no rows
+        raise ConfigError(f"{path} holds no examples") from None
 
 
 def parse_column_mapping(mapping: Optional[str]) -> dict[str, str]:

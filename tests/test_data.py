@@ -226,6 +226,8 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
     (tmp_path / "header_only.csv").write_text("prompt,completion\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
+                         ).save_to_disk(tmp_path / "empty_split")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
@@ -237,6 +239,7 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "nolist.jsonl"), r"row 0: 'messages' must be a non-empty list"),
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
         (cfg(tmp_path / "dict", eval_split="validation"), r"has no split 'validation'; its splits are \['train'\]"),
+        (cfg(tmp_path / "empty_split", eval_split="test"), r"empty_split/test holds no examples"),
         (cfg(tmp_path / "ok.jsonl", eval_split="test"), r"single file with one split: use eval_fraction"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
