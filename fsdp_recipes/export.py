@@ -74,7 +74,7 @@ def write_hf_weights(
                     raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
                 # A flat uint8 view (also of a 0-d tensor) exposes the bytes to write() without a copy.
                 f.write(tensor.reshape(-1).view(torch.uint8).numpy())
-                del tensor
+                del tensor  # freed before the next load: otherwise two tensors are held at once
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
