@@ -20,7 +20,7 @@ import time
 import torch
 
 
-def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size: int) -> tuple[str, int]:
+def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size: int) -> tuple[str, int, int]:
     from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
     from fsdp_recipes import demo
@@ -41,8 +41,8 @@ def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size
         optimizer = build_optimizer(model, cfg)  # no step taken: the optimizer folder stays small
         scheduler = get_scheduler("constant", optimizer)
         path = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step=1, epoch=0, wandb_run_id=None)
-        size = sum(p.numel() * p.element_size() for p in model.parameters())
-    return path, size
+        sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    return path, sum(sizes), max(sizes)
 
 
 def measure(cmd: list[str]) -> tuple[float, float]:
@@ -77,7 +77,8 @@ def main() -> None:
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes a fresh checkpoint there")
 
-    checkpoint, size = make_checkpoint(args.work_dir, args.hidden_size, args.num_layers, args.vocab_size)
+    checkpoint, size, largest_tensor = make_checkpoint(args.work_dir, args.hidden_size, args.num_layers,
+                                                       args.vocab_size)
     python = sys.executable
     tools = {
         "baseline (python -c 'import fsdp_recipes.convert')": [python, "-c", "import fsdp_recipes.convert"],
@@ -93,10 +94,15 @@ def main() -> None:
     for name, cmd in tools.items():
         seconds, peak_mb = measure(cmd)
         results[name] = {"seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb)}
-    print(f"checkpoint: {checkpoint}, model weights {size / 1e9:.2f} GB (fp32)")
+    ours = os.path.join(args.work_dir, "ours")
+    largest_file = max(os.path.getsize(os.path.join(ours, name)) for name in os.listdir(ours)
+                       if name.endswith(".safetensors"))
+    print(f"checkpoint: {checkpoint}, model weights {size / 1e9:.2f} GB (fp32), largest tensor "
+          f"{largest_tensor / 1e6:.0f} MB, largest output file {largest_file / 1e6:.0f} MB")
     for name, r in results.items():
         print(f"{name:70s} {r['seconds']:8.2f} s {r['peak_rss_mb']:8d} MB peak RSS")
-    print(json.dumps({"model_bytes": size, "results": results}))
+    print(json.dumps({"model_bytes": size, "largest_tensor_bytes": largest_tensor,
+                      "largest_output_file_bytes": largest_file, "results": results}))
 
 
 if __name__ == "__main__":

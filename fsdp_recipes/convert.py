@@ -2,8 +2,9 @@
 
     python -m fsdp_recipes.convert <output_dir>/checkpoint-<step> <out_dir> [--dtype bf16] [--max_shard_size 5GB]
 
-It streams: the output files are planned from the DCP metadata alone, and each one is filled by loading only its
-own tensors from the checkpoint, so peak memory is about one output file (in fp32), not the whole model.
+It streams: each output file's safetensors header is planned from the DCP metadata alone, then its tensors are
+loaded from the checkpoint one at a time, cast, and appended to the open file, so peak memory is about twice the
+largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
 
-    def load_tensors(names: list[str]) -> dict[str, torch.Tensor]:
-        part = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype) for name in names}
+    def load_tensor(name: str) -> torch.Tensor:
+        # One dcp.load per tensor: it reads only that tensor's chunks, so memory holds one tensor (and its read copy).
+        part = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)}
         dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
-        return part
+        return part[name]
 
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    write_hf_weights(tmp, {name: md.size for name, md in tensors.items()}, dtype, max_shard_size, load_tensors)
+    write_hf_weights(tmp, {name: md.size for name, md in tensors.items()}, dtype, max_shard_size, load_tensor)
     # Tokenizer and generation config as saved with the checkpoint; config.json records the output dtype.
     for name in os.listdir(checkpoint):
         if os.path.isfile(os.path.join(checkpoint, name)) and name not in (STATE_NAME, "config.json"):

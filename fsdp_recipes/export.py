@@ -1,21 +1,23 @@
 """Write a Hugging Face folder that `AutoModelForCausalLM.from_pretrained` loads: config.json, safetensors weights
 (sharded with an index once over `max_shard_size`), tokenizer files and generation_config.json.
 
-The writer takes shards one at a time, so the converter (convert.py) can stream a sharded checkpoint through it.
+The writer takes tensors one at a time, so the converter (convert.py) can stream a sharded checkpoint through it.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
+import struct
+import sys
 from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel
@@ -40,28 +42,56 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
     return tied
 
 
+# safetensors' names for the dtypes a folder can be written in.
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
 def write_hf_weights(
     out_dir: str,
     shapes: dict[str, torch.Size],
     dtype: torch.dtype,
     max_shard_size: int | str,
-    load_tensors: Callable[[list[str]], dict[str, torch.Tensor]],
+    load_tensor: Callable[[str], torch.Tensor],
 ) -> None:
-    """Write the tensors named in `shapes` as safetensors files of at most `max_shard_size` each.
+    """Write the tensors named in `shapes`, cast to `dtype`, as safetensors files of at most `max_shard_size` each.
 
-    `load_tensors(names)` returns the tensors of one output file; only one file's tensors are held at a time.
+    Each file's header is planned from the shapes alone, then `load_tensor(name)` is called once per tensor and its
+    bytes are appended to the open file: only one tensor (and its cast) is held at a time.
     """
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"cannot write {dtype} weights: use one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
+    if sys.byteorder != "little":  # safetensors stores little-endian bytes; the tensors' own bytes are written as is
+        raise RuntimeError("writing safetensors files needs a little-endian machine")
     # Meta tensors: the split needs only sizes, so planning costs no memory.
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()}
     split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        tensors = {name: tensor.to(dtype).contiguous() for name, tensor in load_tensors(names).items()}
-        save_file(tensors, os.path.join(out_dir, filename), metadata={"format": "pt"})
-        del tensors
+        with open(os.path.join(out_dir, filename), "wb") as f:
+            f.write(_safetensors_header({name: shapes[name] for name in names}, dtype))
+            for name in names:
+                tensor = load_tensor(name).to(dtype).contiguous()
+                if tensor.shape != shapes[name]:
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
+                # A flat uint8 view (also of a 0-d tensor) exposes the bytes to write() without a copy.
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy())
+                del tensor  # freed before the next load: otherwise two tensors are held at once
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `shapes` of `dtype` contiguously, in order."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)  # the format pads the header with spaces so that the tensor bytes start aligned
+    return struct.pack("<Q", len(data)) + data
 
 
 def replace_dir(tmp_dir: str, out_dir: str) -> None:
@@ -110,4 +140,4 @@ def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_s
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}
-        write_hf_weights(out_dir, shapes, dtype, max_shard_size, lambda names: {n: state_dict[n] for n in names})
+        write_hf_weights(out_dir, shapes, dtype, max_shard_size, state_dict.__getitem__)

@@ -1,5 +1,5 @@
-"""The converter benchmark runs, and its numbers show streaming: the converter's memory stays near one output
-file while accelerate merge-weights holds the whole model."""
+"""The converter benchmark runs, and its numbers show streaming: the converter's memory stays near its largest
+tensor, whatever the output file size, while accelerate merge-weights holds the whole model."""
 
 import json
 import sys
@@ -7,15 +7,19 @@ import sys
 from conftest import run
 
 
-def test_benchmark_runs_and_converter_memory_stays_near_one_shard(tmp_path):
-    # 12 layers of 3-9 MB tensors (150 MB of fp32 weights), 10 MB output files.
+def test_benchmark_runs_and_converter_memory_stays_near_one_tensor(tmp_path):
+    # 12 layers of tensors of at most 3 MB (150 MB of fp32 weights), 50 MB output files: a converter that held one
+    # output file (about 75 MB above its imports, measured) fails the memory bound below.
     proc = run([sys.executable, "bench/convert_bench.py", "--work_dir", tmp_path / "bench", "--hidden_size", "512",
-                "--num_layers", "12", "--vocab_size", "1000", "--max_shard_size", "10MB"])
+                "--num_layers", "12", "--vocab_size", "1000", "--max_shard_size", "50MB"])
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     model_mb = report["model_bytes"] / 2**20
     peaks = [r["peak_rss_mb"] for r in report["results"].values()]  # baseline, ours, baseline, accelerate
     ours, accelerate = peaks[1] - peaks[0], peaks[3] - peaks[2]
     assert 140 < model_mb < 160
-    assert ours < 0.3 * model_mb, f"converter used {ours} MB over its imports for a {model_mb:.0f} MB model"
+    tensor_mb = report["largest_tensor_bytes"] / 2**20
+    # One tensor and the copy dcp.load reads it from, plus a fixed overhead (about 19 MB measured: DCP's planning,
+    # the allocator).
+    assert ours < 2 * tensor_mb + 32, f"converter used {ours} MB over its imports; largest tensor {tensor_mb:.1f} MB"
     assert accelerate > 0.9 * model_mb, f"merge-weights used {accelerate} MB: the measurement misses the load"
     assert (tmp_path / "bench" / "ours" / "model.safetensors.index.json").is_file()
