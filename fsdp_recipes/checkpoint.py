@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
-from .export import INDEX_NAME, replace_dir, state_dict_name, tied_parameter_names, write_full_weights, write_model_files
+from .export import INDEX_NAME, replace_dir, tied_parameter_names, write_full_weights, write_model_files
+from .sharding import state_dict_name
 
 STATE_NAME = "trainer_state.json"
 LATEST_NAME = "latest"

@@ -22,12 +22,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel
 
+from .sharding import state_dict_name
+
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def state_dict_name(parameter_name: str) -> str:
-    """A parameter's name as state-dict keys spell it: without FSDP1's and activation checkpointing's wrappers."""
-    return parameter_name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def tied_parameter_names(model: nn.Module) -> set[str]:

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from .config import TrainConfig
 from .plan import ShardingPlan
-from .sharding import MASTER_DTYPE, shard_model
+from .sharding import MASTER_DTYPE, shard_model, state_dict_name
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -73,7 +73,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     # to_empty also emptied the buffers; they live on the compute device even when parameters are offloaded.
     for module_name, module in model.named_modules():
         for name in [n for n, b in module._buffers.items() if b is not None]:
-            module._buffers[name] = buffers[_clean_key(f"{module_name}.{name}".lstrip("."))].to(device)
+            module._buffers[name] = buffers[state_dict_name(f"{module_name}.{name}".lstrip("."))].to(device)
     if isinstance(model, FSDP):
         _broadcast_into_fsdp1_shards(model, full_state)
     else:
@@ -93,11 +93,11 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
         handle = unit._handle if isinstance(unit, FSDP) else None
         if handle is None:
             continue
-        prefix = _clean_key(unit_name + ".") if unit_name else ""
+        prefix = state_dict_name(unit_name + ".") if unit_name else ""
         flat = handle.flat_param
         # _params holds each parameter once; a tied one is in _shared_params and aliases its first occurrence.
         for param, info, fqn, shape in zip(flat._params, flat._shard_param_infos, flat._fqns, flat._shapes):
-            key = prefix + _clean_key(fqn)
+            key = prefix + state_dict_name(fqn)
             full = full_state[key] if dist.get_rank() == 0 else torch.empty(shape, dtype=param.dtype)
             full = full.to(param.device, param.dtype)
             dist.broadcast(full, src=0)
@@ -105,10 +105,3 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
                 with torch.no_grad():
                     param.copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
             del full
-
-
-def _clean_key(name: str) -> str:
-    """A parameter's or buffer's name without the wrappers' prefixes (FSDP1, activation checkpointing)."""
-    for prefix in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
-        name = name.replace(prefix, "")
-    return name

@@ -115,6 +115,12 @@ def local_numel(tensor: torch.Tensor) -> int:
     return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
 
+def state_dict_name(name: str) -> str:
+    """A parameter's or buffer's name as state-dict keys spell it: without FSDP1's and activation checkpointing's
+    wrapper prefixes."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def original_ndims(model: nn.Module) -> dict[int, int]:
     """id(parameter) -> the number of dimensions of the parameter as the model defines it. FSDP1's original
     parameters (use_orig_params=True) are 1-D views of this rank's shard, so their shapes come from the flat
