@@ -151,10 +151,6 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     return train, eval_set
 
 
-def build_train_dataset(cfg: TrainConfig, tokenizer) -> datasets.Dataset:
-    return build_datasets(cfg, tokenizer)[0]
-
-
 def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:
     """Pad to the longest sequence of the batch, not to max_seq_length.
 

@@ -81,13 +81,3 @@ def exit_process(code: int = 0) -> NoReturn:
 def print_rank0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-@contextlib.contextmanager
-def main_process_first():
-    """Rank 0 runs the body first (e.g. to fill a cache), the others run it after."""
-    if dist.get_rank() != 0:
-        dist.barrier()
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier()

@@ -13,7 +13,7 @@ import os
 import shutil
 import struct
 import sys
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.distributed as dist

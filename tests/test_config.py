@@ -6,7 +6,7 @@ import pytest
 
 from fsdp_recipes.config import ConfigError, parse_config
 
-from conftest import REPO, run
+from conftest import run
 
 
 def write_yaml(tmp_path, text):

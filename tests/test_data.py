@@ -138,7 +138,7 @@ def test_packed_logits_equal_each_example_alone(tiny, attn):
     assert abs(token_loss_sum(packed_logits, batch["labels"]) - alone_loss) < 1e-4
 
 
-# Building data sets from files: these need a process group for main_process_first; a real 1-process one.
+# Building data sets from files: rank 0 builds first, which needs a process group; a real 1-process one.
 @pytest.fixture(scope="module", autouse=True)
 def one_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_recipes.export import save_hf_model
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.data import build_train_dataset
+from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
@@ -27,7 +27,7 @@ out_dir, argv = sys.argv[1], sys.argv[2:]
 cfg = parse_config(argv)
 with distributed() as env:
     tokenizer = load_tokenizer(cfg)
-    dataset = build_train_dataset(cfg, tokenizer)
+    dataset = build_datasets(cfg, tokenizer)[0]
     model = load_model(cfg)
     model = shard_model(model, resolve_plan(cfg))
     train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.data import build_dataloader, build_train_dataset
+from fsdp_recipes.data import build_dataloader, build_datasets
 from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
@@ -69,7 +69,7 @@ out_dir, variants, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
 with distributed() as env:
     base = parse_config(argv)
     tokenizer = load_tokenizer(base)
-    dataset = build_train_dataset(base, tokenizer)
+    dataset = build_datasets(base, tokenizer)[0]
     for name, flags in variants.items():
         extra = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
         cfg = parse_config(argv + extra + ["--output_dir", os.path.join(out_dir, name)])
