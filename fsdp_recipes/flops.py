@@ -1,0 +1,55 @@
+"""Model FLOPs per trained token and the peak FLOP/s of known accelerators, for MFU (model FLOPs utilisation)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name(); the first match wins.
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (CPUs, unlisted GPUs): MFU is then not logged."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def active_matmul_params(model: nn.Module) -> float:
+    """Parameters one token multiplies through: all but the input embedding (a lookup) and the norms and biases
+    (1-D, no matmul); of a mixture-of-experts layer's experts only the num_experts_per_tok it is routed to."""
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    routed = getattr(config, "num_experts_per_tok", None)
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    total = 0.0
+    for name, param in model.named_parameters():  # a tied lm_head appears once, as the embedding
+        if param.ndim < 2:
+            continue
+        if param is embedding:
+            if output is not None and output.weight is embedding:  # tied: still a matmul, as lm_head
+                total += param.numel()
+            continue
+        share = routed / experts if experts and routed and ".experts." in f".{name}." else 1.0
+        total += param.numel() * share
+    return total
+
+
+def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward and backward FLOPs per token (PaLM, appendix B): 6 per active matmul parameter, plus attention's
+    12 * layers * heads * head_dim * seq_len. Activation-checkpointing recomputation is not counted (MFU, not HFU)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+    return 6 * active_matmul_params(model) + attention

@@ -1,0 +1,34 @@
+"""FLOPs per token, counted from the model's parameters, against the formula written out by hand."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from fsdp_recipes.flops import active_matmul_params, peak_flops, training_flops_per_token
+
+DIMS = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+
+
+def llama_matmul_params(vocab, hidden, inter, layers, kv_dim):
+    attention = 2 * hidden * hidden + 2 * hidden * kv_dim
+    return layers * (attention + 3 * hidden * inter) + vocab * hidden  # lm_head; the input embedding is a lookup
+
+
+def test_dense_model_counts_lm_head_once_whether_tied_or_not():
+    for tied in (False, True):
+        model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, tie_word_embeddings=tied, **DIMS))
+        expected = llama_matmul_params(1000, 64, 128, 3, kv_dim=2 * 16)
+        assert active_matmul_params(model) == expected
+        assert training_flops_per_token(model, seq_len=256) == 6 * expected + 12 * 3 * 4 * 16 * 256
+
+
+def test_moe_counts_only_the_routed_experts():
+    config = MixtralConfig(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2, **DIMS)
+    model = MixtralForCausalLM(config)
+    dense = llama_matmul_params(1000, 64, 128, 3, kv_dim=2 * 16) - 3 * 3 * 64 * 128
+    router = 3 * 8 * 64
+    experts = 3 * 8 * 3 * 64 * 128
+    assert active_matmul_params(model) == dense + router + experts * 2 / 8
+
+
+def test_peak_flops_unknown_on_cpu():
+    assert peak_flops(torch.device("cpu")) is None
