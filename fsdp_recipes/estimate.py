@@ -1,0 +1,264 @@
+"""Plan GPU memory before launch, from the model's config alone (no weights are read):
+
+    python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
+        [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
+
+It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
+project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
+optimizer states each rank holds (exact: FSDP2's dim-0 shards of each parameter, the largest rank's), then
+estimates of the transient buffers and the activations, the total, and the cheapest setting that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .cli import run_main
+from .config import ConfigError
+from .plan import PRECISIONS
+from .sharding import MASTER_DTYPE, find_layer_classes
+
+GIB = 1024**3
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HSDP")
+# Kept free of the estimate: the CUDA context, NCCL buffers and the caching allocator's fragmentation.
+USABLE_SHARE = 0.9
+COMPUTE_DTYPE = {"bf16": torch.bfloat16, "no": torch.float32, "pure_bf16": torch.bfloat16}
+REDUCE_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Setting:
+    strategy: str  # one of STRATEGIES
+    activation_checkpointing: bool
+    offload: bool
+
+    def describe(self) -> str:
+        extras = [name for name, on in [("activation checkpointing", self.activation_checkpointing),
+                                        ("CPU offload", self.offload)] if on]
+        return f"{self.strategy} with {' and '.join(extras)}" if extras else f"{self.strategy}, no AC, no offload"
+
+    def recipe_keys(self, num_nodes: int) -> str:
+        keys = {"FULL_SHARD": [], "SHARD_GRAD_OP": ["fsdp_reshard_after_forward: false"],
+                "HSDP": [f"dp_replicate_size: {num_nodes}"]}[self.strategy]
+        keys += ["fsdp_activation_checkpointing: true"] * self.activation_checkpointing
+        keys += ["fsdp_offload_params: true"] * self.offload
+        return ", ".join(keys) or "the defaults"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per GPU. params, grads and optimizer are exact (the largest rank's); the rest are estimates."""
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int  # all-gathered parameters in compute dtype
+    grad_buffers: int  # unsharded gradients and reduce-scatter input
+    activations: int  # saved by the decoder layers for backward
+    logits: int  # logits and cross-entropy's fp32 tensors
+    offload: bool
+
+    @property
+    def sharded_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def gpu_total(self) -> int:
+        transient = self.gathered + self.grad_buffers + self.activations + self.logits
+        return transient + (0 if self.offload else self.sharded_state)
+
+
+def load_config(model: str) -> PretrainedConfig:
+    """A hub id or a local folder through AutoConfig.from_pretrained, which also reads a config.json path."""
+    looks_local = model.endswith(".json") or model.startswith((".", "/", "~")) or os.path.exists(model)
+    if looks_local and not os.path.exists(os.path.expanduser(model)):
+        raise ConfigError(f"--model {model}: no such file or folder; give a hub id, a model folder or a config.json")
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(model))
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise ConfigError(f"--model {model}: cannot read its config ({first_line})") from error
+
+
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The model with every tensor on the meta device: shapes and dtypes only, nothing allocated."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied lm_head is the embedding, counted once by parameters()
+    return model
+
+
+def shard_rows(rows: int, shard_size: int) -> int:
+    """Rows of a dim-0 shard on rank 0, the largest: torch.chunk's ceil(rows / shard_size). FSDP2 pads every
+    rank's shard to this size in memory (its local tensor on the last ranks is a shorter view)."""
+    return -(-rows // shard_size)
+
+
+def sharded_numel(params: list[nn.Parameter], shard_size: int) -> int:
+    return sum(shard_rows(p.shape[0], shard_size) * (p.numel() // p.shape[0]) if p.ndim else p.numel()
+               for p in params)
+
+
+def fsdp_groups(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """The parameters of each decoder layer (one FSDP2 unit each), and those left to the root unit."""
+    layer_classes = find_layer_classes(model, None)
+    layers = [list(m.parameters()) for m in model.modules() if isinstance(m, layer_classes)]
+    in_layers = {id(p) for layer in layers for p in layer}
+    return layers, [p for p in model.parameters() if id(p) not in in_layers]
+
+
+def activation_bytes_per_token(config: PretrainedConfig, compute_bytes: int) -> tuple[int, int]:
+    """(saved by one decoder layer in forward, the layer's input) per token, for a Llama-like block with a
+    fused attention kernel (no seq_len x seq_len scores kept):
+    - each RMSNorm keeps its fp32 input (4h) and its normalised input (h in compute dtype);
+    - the q/k/v and gate/up projections keep their input (h each);
+    - attention keeps q, k, v and its output (2q + 2kv), o_proj its input (q);
+    - the MLP keeps gate, up, act(gate) and their product (4 x intermediate)."""
+    h = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    per_layer = compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * config.intermediate_size) + 2 * 4 * h
+    return per_layer, compute_bytes * h
+
+
+def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
+             batch: int, seq_len: int) -> Estimate:
+    master = MASTER_DTYPE[mixed_precision].itemsize
+    compute = COMPUTE_DTYPE[mixed_precision].itemsize
+    shard_size = num_gpus // num_nodes if setting.strategy == "HSDP" else num_gpus
+    params = list(model.parameters())
+    state = sharded_numel(params, shard_size) * master
+
+    layers, root = fsdp_groups(model)
+
+    def gathered_numel(group: list[nn.Parameter]) -> int:  # all-gather output: padded shards x shard_size
+        return sharded_numel(group, shard_size) * shard_size
+
+    largest_layer = max((gathered_numel(layer) for layer in layers), default=0)
+    # The root unit (embeddings, final norm, lm_head) stays gathered through forward and backward: its forward
+    # spans the whole model. Layers: FULL_SHARD and HSDP free each after use, with the next one prefetched;
+    # SHARD_GRAD_OP keeps every gathered layer from its forward until its backward.
+    kept_layers = sum(map(gathered_numel, layers)) if setting.strategy == "SHARD_GRAD_OP" else 2 * largest_layer
+    gathered = (gathered_numel(root) + kept_layers) * compute
+    # The root's full gradient (lm_head's is ready first, then waits for the embedding's), and one layer's full
+    # gradient in compute dtype with its reduce-scatter input in reduce dtype.
+    reduce = REDUCE_DTYPE[mixed_precision].itemsize
+    grad_buffers = gathered_numel(root) * compute + largest_layer * (compute + reduce)
+
+    tokens = batch * seq_len
+    per_layer, layer_input = activation_bytes_per_token(model.config, compute)
+    n_layers = len(layers)
+    if setting.activation_checkpointing:  # each layer's input, and one layer recomputed in backward
+        activations = tokens * (n_layers * layer_input + per_layer)
+    else:
+        activations = tokens * n_layers * per_layer
+    # The logits in compute dtype, their fp32 copy for the loss, and the fp32 log-softmax cross-entropy keeps.
+    logits = tokens * model.config.vocab_size * (compute + 4 + 4)
+    return Estimate(params=state, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
+                    activations=activations, logits=logits, offload=setting.offload)
+
+
+def candidate_settings(num_nodes: int) -> list[Setting]:
+    """Cheapest first: no recomputation and no offload, then activation checkpointing (about a third more
+    compute), then CPU offload (optimizer step on the CPU, weights and gradients over PCIe every step), then both.
+    Within each: on several nodes HSDP (all-gathers stay inside a node), then SHARD_GRAD_OP (one all-gather per
+    layer instead of two), then FULL_SHARD; on one node HSDP is FULL_SHARD and not listed."""
+    strategies = ["HSDP", "SHARD_GRAD_OP", "FULL_SHARD"] if num_nodes > 1 else ["SHARD_GRAD_OP", "FULL_SHARD"]
+    return [Setting(s, ac, off) for ac, off in [(False, False), (True, False), (False, True), (True, True)]
+            for s in strategies]
+
+
+def fits(est: Estimate, gpu_memory_gib: float) -> bool:
+    return est.gpu_total <= USABLE_SHARE * gpu_memory_gib * GIB
+
+
+def recommend(model: nn.Module, args: argparse.Namespace) -> str:
+    for setting in candidate_settings(args.num_nodes):
+        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, args.batch, args.seq_len)
+        if fits(est, args.gpu_memory):
+            return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
+                    f"GPU (recipe config: {setting.recipe_keys(args.num_nodes)})")
+    return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: use more GPUs, or lower "
+            f"--batch or --seq_len (activations and logits grow with batch x seq_len)")
+
+
+def format_report(model: nn.Module, args: argparse.Namespace) -> str:
+    setting_of = {s: Setting(s, args.activation_checkpointing, args.offload) for s in STRATEGIES}
+    ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, args.batch,
+                        args.seq_len) for s in STRATEGIES}
+    layers, _ = fsdp_groups(model)
+    total = sum(p.numel() for p in model.parameters())
+    per_node = args.num_gpus // args.num_nodes
+    precision = {"bf16": "bf16 compute, fp32 master weights, gradients and Adam states",
+                 "no": "fp32 throughout", "pure_bf16": "bf16 throughout"}[args.mixed_precision]
+    where = "CPU" if args.offload else "GPU"
+    lines = [
+        f"model: {type(model).__name__}, {total:,} parameters, {len(layers)} decoder layers",
+        f"setup: {args.num_gpus} GPUs ({args.num_nodes} node{'s' * (args.num_nodes > 1)} x {per_node}), "
+        f"mixed_precision {args.mixed_precision} ({precision}), AdamW",
+        f"micro-batch per GPU: {args.batch} x {args.seq_len} tokens, activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}, offload {'on' if args.offload else 'off'}",
+        "",
+        f"{'GiB per GPU':<36}" + "".join(f"{name:>15}" for name in ["FULL_SHARD", "SHARD_GRAD_OP",
+                                                                    f"HSDP {args.num_nodes}x{per_node}"]),
+    ]
+
+    def row(label: str, values: list[float]) -> str:
+        return f"{label:<36}" + "".join(f"{v / GIB:>15.2f}" for v in values)
+
+    lines += [
+        row(f"parameters (exact, {where})", [e.params for e in ests.values()]),
+        row(f"gradients (exact, {where})", [e.grads for e in ests.values()]),
+        row(f"optimizer states (exact, {where})", [e.optimizer for e in ests.values()]),
+        row("gathered parameters (estimate)", [e.gathered for e in ests.values()]),
+        row("gradient buffers (estimate)", [e.grad_buffers for e in ests.values()]),
+        row("activations (estimate)", [e.activations for e in ests.values()]),
+        row("logits and loss (estimate)", [e.logits for e in ests.values()]),
+        row("total on GPU (estimate)", [e.gpu_total for e in ests.values()]),
+    ]
+    if args.offload:
+        lines.append(row("CPU RAM per node (exact)", [per_node * e.sharded_state for e in ests.values()]))
+    lines.append(f"{f'fits in {USABLE_SHARE:.0%} of {args.gpu_memory:g} GiB':<36}"
+                 + "".join(f"{'yes' if fits(e, args.gpu_memory) else 'no':>15}" for e in ests.values()))
+    lines += ["", recommend(model, args)]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--model", required=True, help="hub id, local model folder, or a config.json file")
+    parser.add_argument("--num_gpus", type=int, required=True, help="GPUs in all, over all nodes")
+    parser.add_argument("--num_nodes", type=int, default=1, help="nodes (HSDP replicates across them)")
+    parser.add_argument("--offload", action="store_true", help="tables with CPU offload (fsdp_offload_params)")
+    parser.add_argument("--activation_checkpointing", action="store_true", help="tables with each layer recomputed")
+    parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence (the Llama recipe's default)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (recipe default)")
+    parser.add_argument("--gpu_memory", type=float, default=80, help="GiB per GPU, for what fits (default 80)")
+    parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
+    args = parser.parse_args(argv)
+    for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.gpu_memory <= 0:
+        raise ConfigError(f"--gpu_memory must be positive (GiB per GPU), got {args.gpu_memory:g}")
+    if args.num_gpus % args.num_nodes:
+        raise ConfigError(f"--num_gpus {args.num_gpus} is not divisible by --num_nodes {args.num_nodes}: give the "
+                          "GPUs of all nodes together, the same number on each node")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model = build_meta_model(load_config(args.model), MASTER_DTYPE[args.mixed_precision])
+    print(format_report(model, args))
+
+
+if __name__ == "__main__":
+    run_main(main)
