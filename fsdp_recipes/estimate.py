@@ -118,12 +118,15 @@ def activation_bytes_per_token(config: PretrainedConfig, compute_bytes: int) -> 
     - each RMSNorm keeps its fp32 input (4h) and its normalised input (h in compute dtype);
     - the q/k/v and gate/up projections keep their input (h each);
     - attention keeps q, k, v and its output (2q + 2kv), o_proj its input (q);
-    - the MLP keeps gate, up, act(gate) and their product (4 x intermediate)."""
+    - the MLP keeps gate, up, act(gate) and their product (4 x intermediate), in each of the experts a token is
+      routed to (num_experts_per_tok) in a mixture-of-experts layer.
+    Models without intermediate_size (GPT-2's n_inner) get the usual 4 x hidden."""
     h = config.hidden_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-    per_layer = compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * config.intermediate_size) + 2 * 4 * h
+    mlp = (getattr(config, "intermediate_size", None) or 4 * h) * (getattr(config, "num_experts_per_tok", None) or 1)
+    per_layer = compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * mlp) + 2 * 4 * h
     return per_layer, compute_bytes * h
 
 

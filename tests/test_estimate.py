@@ -1,0 +1,157 @@
+"""The memory planner: its parameter, gradient and optimizer figures equal the bytes a sharded run holds, its
+parameter counts equal the published ones, its activation formula stays close to what autograd saves, and the
+README's example is its real output."""
+
+import json
+import re
+import shlex
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
+
+from conftest import REPO, run, torchrun
+from fsdp_recipes.config import ConfigError
+from fsdp_recipes.estimate import (Setting, activation_bytes_per_token, build_meta_model, estimate, load_config,
+                                   parse_args, recommend)
+from fsdp_recipes.sharding import MASTER_DTYPE
+
+# config.json of meta-llama/Llama-3.1-8B and -70B as published on the Hub.
+LLAMA_3_1 = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+LLAMA_3_1_8B = {**LLAMA_3_1, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                "num_hidden_layers": 32}
+LLAMA_3_1_70B = {**LLAMA_3_1, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                 "num_hidden_layers": 80}
+
+# Odd sizes, so that dim-0 shards are uneven on 2 ranks: vocabulary 101 rows, MLP 75, experts 3.
+UNEVEN = dict(vocab_size=101, hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+VARIANTS = {
+    "llama_fp32_full_shard": ("llama", "no", "FULL_SHARD", False),
+    "llama_bf16_full_shard": ("llama", "bf16", "FULL_SHARD", False),
+    "llama_pure_bf16_shard_grad_op": ("llama", "pure_bf16", "SHARD_GRAD_OP", False),
+    "llama_fp32_hsdp": ("llama", "no", "HSDP", False),  # 2 nodes x 1 GPU: each rank holds everything
+    "llama_fp32_offload": ("llama", "no", "FULL_SHARD", True),
+    "tied_fp32_full_shard": ("tied", "no", "FULL_SHARD", False),
+    "mixtral_fp32_full_shard": ("mixtral", "no", "FULL_SHARD", False),
+}
+
+
+def write_config(path, config: dict):
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("estimate_configs")
+    return {
+        "llama": write_config(root / "llama.json", LlamaConfig(intermediate_size=75, **UNEVEN).to_dict()),
+        "tied": write_config(root / "tied.json",
+                             LlamaConfig(intermediate_size=75, tie_word_embeddings=True, **UNEVEN).to_dict()),
+        "mixtral": write_config(root / "mixtral.json", MixtralConfig(intermediate_size=32, num_local_experts=3,
+                                                                     num_experts_per_tok=2, **UNEVEN).to_dict()),
+        "8b": write_config(root / "llama_8b.json", LLAMA_3_1_8B),
+        "70b": write_config(root / "llama_70b.json", LLAMA_3_1_70B),
+    }
+
+
+@pytest.fixture(scope="module")
+def held(configs, tmp_path_factory):
+    """What each of 2 gloo ranks holds after one AdamW step, per variant."""
+    out = tmp_path_factory.mktemp("estimate_held")
+    specs = {name: {"config": str(configs[model]), "mixed_precision": precision, "strategy": strategy,
+                    "offload": offload} for name, (model, precision, strategy, offload) in VARIANTS.items()}
+    torchrun("tests/drivers/estimate_held.py", out, json.dumps(specs))
+    return {name: [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in range(2)] for name in VARIANTS}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_sharded_state_equals_the_bytes_the_largest_rank_holds(configs, held, name):
+    model_name, precision, strategy, offload = VARIANTS[name]
+    model = build_meta_model(load_config(str(configs[model_name])), MASTER_DTYPE[precision])
+    est = estimate(model, Setting(strategy, False, offload), num_gpus=2, num_nodes=2 if strategy == "HSDP" else 1,
+                   mixed_precision=precision, batch=1, seq_len=16)
+    ranks = held[name]
+    for figure, kind in [(est.params, "params"), (est.grads, "grads"), (est.optimizer, "optimizer_state")]:
+        assert figure == max(rank[kind] for rank in ranks) == ranks[0][kind], kind
+    full = sum(p.numel() for p in model.parameters()) * MASTER_DTYPE[precision].itemsize
+    if strategy == "HSDP":
+        assert ranks[0]["mesh"] == [2, 1] and est.params == full
+    else:
+        # Uneven shards: rank 0 holds the padded size, rank 1 the rest; nothing is lost or duplicated.
+        assert ranks[0]["params"] > ranks[1]["params"]
+        assert ranks[0]["params"] + ranks[1]["params"] == full
+
+
+def test_llama_3_1_parameter_counts_equal_the_published_ones(configs):
+    for size, published in [("8b", 8_030_261_248), ("70b", 70_553_706_496)]:
+        model = build_meta_model(load_config(str(configs[size])), torch.float32)
+        assert sum(p.numel() for p in model.parameters()) == published
+        assert all(p.is_meta for p in model.parameters())
+    # 8B on 8 GPUs: every dim-0 divides by 8, so each GPU holds exactly an eighth, in fp32 master weights.
+    model = build_meta_model(load_config(str(configs["8b"])), torch.float32)
+    est = estimate(model, Setting("FULL_SHARD", False, False), 8, 1, "bf16", batch=1, seq_len=2048)
+    assert (est.params, est.grads, est.optimizer) == (8_030_261_248 // 2, 8_030_261_248 // 2, 8_030_261_248)
+    hsdp = estimate(model, Setting("HSDP", False, False), 16, 2, "bf16", batch=1, seq_len=2048)
+    assert hsdp.params == est.params  # sharded within a node of 8
+
+
+def test_activation_formula_is_close_to_what_autograd_saves():
+    """One bf16 Llama decoder layer: the bytes of the distinct tensors autograd saves, parameters excluded."""
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    batch, seq_len = 2, 256
+    hidden = torch.randn(batch, seq_len, 256, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(seq_len)[None]
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model.layers[0](hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
+                              attention_mask=None, position_ids=positions)
+    measured = sum(saved.values()) / (batch * seq_len)
+    per_layer, _ = activation_bytes_per_token(config, compute_bytes=2)
+    assert abs(per_layer - measured) <= 0.1 * measured  # measured: the formula is 3.6% above
+
+
+def test_nothing_fits_says_so_and_what_to_change(configs):
+    args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "2", "--gpu_memory", "24"])
+    model = build_meta_model(load_config(args.model), torch.float32)
+    assert recommend(model, args).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
+
+
+def test_bad_input_is_one_clear_line():
+    with pytest.raises(ConfigError, match="--num_gpus 6 is not divisible by --num_nodes 4"):
+        parse_args(["--model", "x", "--num_gpus", "6", "--num_nodes", "4"])
+    proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", "no/such/dir/config.json",
+                "--num_gpus", "8"], expect_rc=2)
+    assert proc.stderr == ("error: --model no/such/dir/config.json: no such file or folder; give a hub id, a model "
+                           "folder or a config.json\n")
+
+
+def test_readme_example_prints_the_output_the_readme_shows(configs):
+    readme = (REPO / "README.md").read_text()
+    command, shown = re.search(r"```bash\n(python -m fsdp_recipes\.estimate [^\n]*)\n```\n\n```text\n(.*?)```",
+                               readme, flags=re.S).groups()
+    args = shlex.split(command)
+    assert args[3:5] == ["--model", "meta-llama/Llama-3.1-8B"]
+    args[4] = str(configs["8b"])  # no Hub here: the published config.json, written locally
+    proc = run([sys.executable, *args[1:]])
+    assert proc.stdout == shown
+    assert "recommended: " in proc.stdout
