@@ -41,7 +41,9 @@ class Setting:
     def describe(self) -> str:
         extras = [name for name, on in [("activation checkpointing", self.activation_checkpointing),
                                         ("CPU offload", self.offload)] if on]
-        return f"{self.strategy} with {' and '.join(extras)}" if extras else f"{self.strategy}, no AC, no offload"
+        if not extras:
+            return f"{self.strategy} without activation checkpointing or offload"
+        return f"{self.strategy} with {' and '.join(extras)}"
 
     def recipe_keys(self, num_nodes: int) -> str:
         keys = {"FULL_SHARD": [], "SHARD_GRAD_OP": ["fsdp_reshard_after_forward: false"],
@@ -95,7 +97,8 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
 
 def shard_rows(rows: int, shard_size: int) -> int:
     """Rows of a dim-0 shard on rank 0, the largest: torch.chunk's ceil(rows / shard_size). FSDP2 pads every
-    rank's shard to this size in memory (its local tensor on the last ranks is a shorter view)."""
+    rank's parameter and gradient shards to this size in memory (the last ranks' local tensors are shorter views);
+    AdamW's states follow the local tensors."""
     return -(-rows // shard_size)
 
 
@@ -185,8 +188,11 @@ def recommend(model: nn.Module, args: argparse.Namespace) -> str:
     for setting in candidate_settings(args.num_nodes):
         est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, args.batch, args.seq_len)
         if fits(est, args.gpu_memory):
+            # Offload moves the sharded state to host memory, which must then hold it for every GPU of the node.
+            host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
+                    if setting.offload else "")
             return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
-                    f"GPU (recipe config: {setting.recipe_keys(args.num_nodes)})")
+                    f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)})")
     return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: use more GPUs, or lower "
             f"--batch or --seq_len (activations and logits grow with batch x seq_len)")
 
@@ -226,7 +232,7 @@ def format_report(model: nn.Module, args: argparse.Namespace) -> str:
         row("total on GPU (estimate)", [e.gpu_total for e in ests.values()]),
     ]
     if args.offload:
-        lines.append(row("CPU RAM per node (exact)", [per_node * e.sharded_state for e in ests.values()]))
+        lines.append(row("CPU RAM per node (offloaded state)", [per_node * e.sharded_state for e in ests.values()]))
     lines.append(f"{f'fits in {USABLE_SHARE:.0%} of {args.gpu_memory:g} GiB':<36}"
                  + "".join(f"{'yes' if fits(e, args.gpu_memory) else 'no':>15}" for e in ests.values()))
     lines += ["", recommend(model, args)]

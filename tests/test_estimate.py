@@ -130,9 +130,13 @@ def test_activation_formula_is_close_to_what_autograd_saves():
     assert abs(per_layer - measured) <= 0.1 * measured  # measured: the formula is 3.6% above
 
 
-def test_nothing_fits_says_so_and_what_to_change(configs):
+def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
+    model = build_meta_model(load_config(str(configs["70b"])), torch.float32)
+    args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "8"])
+    # fp32 weights, gradients and two Adam states: 16 bytes per parameter, in the CPU RAM of the node's 8 GPUs.
+    assert recommend(model, args).startswith("recommended: FULL_SHARD with activation checkpointing and CPU offload")
+    assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args)
     args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "2", "--gpu_memory", "24"])
-    model = build_meta_model(load_config(args.model), torch.float32)
     assert recommend(model, args).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
 
 
