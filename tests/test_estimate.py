@@ -53,13 +53,14 @@ def write_config(path, config: dict):
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("estimate_configs")
+    (root / "llama_8b").mkdir()
     return {
         "llama": write_config(root / "llama.json", LlamaConfig(intermediate_size=75, **UNEVEN).to_dict()),
         "tied": write_config(root / "tied.json",
                              LlamaConfig(intermediate_size=75, tie_word_embeddings=True, **UNEVEN).to_dict()),
         "mixtral": write_config(root / "mixtral.json", MixtralConfig(intermediate_size=32, num_local_experts=3,
                                                                      num_experts_per_tok=2, **UNEVEN).to_dict()),
-        "8b": write_config(root / "llama_8b.json", LLAMA_3_1_8B),
+        "8b": write_config(root / "llama_8b" / "config.json", LLAMA_3_1_8B),
         "70b": write_config(root / "llama_70b.json", LLAMA_3_1_70B),
     }
 
@@ -93,8 +94,9 @@ def test_sharded_state_equals_the_bytes_the_largest_rank_holds(configs, held, na
 
 
 def test_llama_3_1_parameter_counts_equal_the_published_ones(configs):
-    for size, published in [("8b", 8_030_261_248), ("70b", 70_553_706_496)]:
-        model = build_meta_model(load_config(str(configs[size])), torch.float32)
+    # A model folder (as from_pretrained reads it) and a config.json file.
+    for model_path, published in [(configs["8b"].parent, 8_030_261_248), (configs["70b"], 70_553_706_496)]:
+        model = build_meta_model(load_config(str(model_path)), torch.float32)
         assert sum(p.numel() for p in model.parameters()) == published
         assert all(p.is_meta for p in model.parameters())
     # 8B on 8 GPUs: every dim-0 divides by 8, so each GPU holds exactly an eighth, in fp32 master weights.
@@ -127,7 +129,7 @@ def test_activation_formula_is_close_to_what_autograd_saves():
                               attention_mask=None, position_ids=positions)
     measured = sum(saved.values()) / (batch * seq_len)
     per_layer, _ = activation_bytes_per_token(config, compute_bytes=2)
-    assert abs(per_layer - measured) <= 0.1 * measured  # measured: the formula is 3.6% above
+    assert abs(per_layer - measured) <= 0.1 * measured  # measured: 11,392 against 10,984 bytes, 3.7% above
 
 
 def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
