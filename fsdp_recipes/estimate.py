@@ -28,6 +28,7 @@ GIB = 1024**3
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HSDP")
 # Kept free of the estimate: the CUDA context, NCCL buffers and the caching allocator's fragmentation.
 USABLE_SHARE = 0.9
+# As fsdp2.mixed_precision_policy and sharding.MASTER_DTYPE set them: compute in param_dtype, reduce in reduce_dtype.
 COMPUTE_DTYPE = {"bf16": torch.bfloat16, "no": torch.float32, "pure_bf16": torch.bfloat16}
 REDUCE_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
 
