@@ -50,30 +50,38 @@ def fake_slurm(bin_dir):
 
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
     common = ["--model_name_or_path", tiny["model"], *TRAIN_ARGS]
-    [sbatch] = [c for c in readme_commands() if c.startswith("sbatch ")]
-    readme_args = sbatch.split()[2:]
-    assert readme_args == ["--dataset_name", "my_data.jsonl", "--output_dir", "/shared/outputs/llama"]
 
     # 2 nodes x 1 process: the README's command, with bash for sbatch, each node running slurm/launch_node.sh.
+    [sbatch] = [c for c in readme_commands() if c.startswith("sbatch ")]
+    local = {"my_data.jsonl": str(tiny["data"]), "/shared/outputs/llama": str(tmp_path / "nodes")}
+    command = ["bash", *[local.get(a, a) for a in sbatch.split()[1:]], *map(str, common),
+               "--gradient_accumulation_steps", "1"]
+    assert command[1] == "slurm/sft_multinode.sbatch" and str(tmp_path / "nodes") in command
     env = subprocess_env(PATH=os.pathsep.join([str(fake_slurm(tmp_path / "bin")), os.path.dirname(sys.executable),
                                                os.environ["PATH"]]),
                          SLURM_NNODES="2", SLURM_GPUS_ON_NODE="1", SLURM_JOB_NODELIST="node[0-1]",
                          SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
-    nodes = subprocess.run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", str(tiny["data"]),
-                            "--output_dir", str(tmp_path / "nodes"), *map(str, common),
-                            "--gradient_accumulation_steps", "1"],
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    nodes = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert nodes.returncode == 0, nodes.stdout[-4000:] + nodes.stderr[-4000:]
     # Replicated across the 2 nodes (accelerate's parallelism_config, set by launch_node.sh), sharded within each.
     assert "engine: FSDP2 (fully_shard) over 2 ranks" in nodes.stdout
     assert "strategy: HSDP (replicate x shard) mesh 2 x 1, reshard_after_forward=True" in nodes.stdout
 
-    data = ["--config", "recipes/configs/llama_sft.yaml", "--dataset_name", tiny["data"], *common]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "recipes/llama_sft.py",
-         *data, "--gradient_accumulation_steps", "1", "--output_dir", tmp_path / "torchrun"])
-    alone = run([sys.executable, "recipes/llama_sft.py", *data, "--gradient_accumulation_steps", "2",
-                 "--output_dir", tmp_path / "alone"])
-    assert "over 1 ranks" in alone.stdout
+    # One node: torchrun with 2 processes (plan from the recipe config alone: FSDP2 over 2 ranks), and W&B logging.
+    recipe = ["recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml", "--dataset_name", tiny["data"],
+              *common]
+    launched = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *recipe,
+                    "--gradient_accumulation_steps", "1", "--output_dir", tmp_path / "torchrun",
+                    "--report_to", "wandb"], WANDB_DIR=str(tmp_path))
+    assert "engine: FSDP2 (fully_shard) over 2 ranks" in launched.stdout
+    # Only rank 0 creates a W&B run, and it holds the logged metrics.
+    [wandb_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    for key in [b"loss", b"grad_norm", b"tokens_per_second", b"learning_rate"]:
+        assert key in wandb_file.read_bytes()
+
+    # One process, no launcher: the same 4 sequences per step as 2 micro-batches.
+    alone = run([sys.executable, *recipe, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "alone"])
+    assert "engine: FSDP2 (fully_shard) over 1 ranks" in alone.stdout
 
     reference = losses(tmp_path / "alone")
     assert len(reference) == 3 and reference[2] < reference[0] - 0.1  # it trains
@@ -83,4 +91,4 @@ def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
         exported = load_file(tmp_path / out / "final" / "model.safetensors")
         assert exported.keys() == weights.keys()
         for name, tensor in weights.items():
-            assert (exported[name].float() - tensor.float()).abs().max() <= 1e-5, (out, name)
+            assert (exported[name] - tensor).abs().max() <= 1e-5, (out, name)
