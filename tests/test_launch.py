@@ -57,10 +57,11 @@ def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
     command = ["bash", *[local.get(a, a) for a in sbatch.split()[1:]], *map(str, common),
                "--gradient_accumulation_steps", "1"]
     assert command[1] == "slurm/sft_multinode.sbatch" and str(tmp_path / "nodes") in command
-    env = subprocess_env(PATH=os.pathsep.join([str(fake_slurm(tmp_path / "bin")), os.path.dirname(sys.executable),
-                                               os.environ["PATH"]]),
-                         SLURM_NNODES="2", SLURM_GPUS_ON_NODE="1", SLURM_JOB_NODELIST="node[0-1]",
-                         SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
+    # What sbatch sets for a 2-node job of 1 GPU per node; the port is a free one here.
+    slurm = dict(SLURM_NNODES="2", SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]",
+                 SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
+    path = os.pathsep.join([str(fake_slurm(tmp_path / "bin")), os.path.dirname(sys.executable), os.environ["PATH"]])
+    env = subprocess_env(PATH=path, **slurm)
     nodes = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert nodes.returncode == 0, nodes.stdout[-4000:] + nodes.stderr[-4000:]
     # Replicated across the 2 nodes (accelerate's parallelism_config, set by launch_node.sh), sharded within each.

@@ -77,8 +77,9 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [], "fsdp_backward_prefetch is an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "needs fsdp_sharding_strategy HYBRID_SHARD"),
     ({"FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "EARLY"}, [], "must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"),
-    ({**HSDP_2X8, "WORLD_SIZE": "2"}, [], r"parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 8 "
-                                         r"is 16, but 2 processes were launched: set them to the number of nodes"),
+    ({**HSDP_2X8, "WORLD_SIZE": "2"}, [],
+     r"parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 8 is 16, but 2 processes were "
+     r"launched: set them to the number of nodes"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_TP_SIZE": "2"}, [], r"parallelism_config_tp_size 2 is not supported"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_CP_SIZE": "2"}, ["--dp_replicate_size", "1"], "parallelism_config_cp_size 2"),
 ])
