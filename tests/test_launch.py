@@ -20,13 +20,14 @@ TRAIN_ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--max_s
               "--save_dtype", "float32"]
 
 # Stand-ins for SLURM on one machine: `scontrol show hostnames` names 127.0.0.1 as node 0, and `srun` starts its
-# command once per node, at the same time, each with its SLURM_NODEID, and fails if either fails.
+# command once per node, at the same time, each with its SLURM_NODEID; as with --kill-on-bad-exit, a node that
+# fails stops the other.
 SCONTROL = '#!/bin/sh\necho 127.0.0.1\necho 127.0.0.1\n'
 SRUN = """#!/bin/bash
 while [[ $1 == -* ]]; do shift; done
 SLURM_NODEID=0 "$@" & node0=$!
 SLURM_NODEID=1 "$@" & node1=$!
-wait $node0 && wait $node1
+for _ in 0 1; do wait -n || { kill $node0 $node1 2>/dev/null; exit 1; }; done
 """
 
 
