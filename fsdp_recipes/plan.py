@@ -69,6 +69,22 @@ def _reject_unsupported_env() -> None:
         raise ConfigError("fsdp_ignored_modules is not supported: remove it from the accelerate config")
 
 
+def _check_parallelism_config(replicate: Optional[int]) -> None:
+    """accelerate's parallelism_config: only its data-parallel sizes (replicate x shard) are implemented, and, as
+    accelerate itself requires, they must cover every process the launcher started (checked when `replicate`, the
+    replica count from accelerate, is given)."""
+    for dim in ("tp", "cp", "sp"):
+        size = _env_int(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE")
+        if size is not None and size > 1:
+            raise ConfigError(f"parallelism_config_{dim}_size {size} is not supported (only data parallelism: "
+                              f"dp_replicate_size x dp_shard_size): set it to 1")
+    shard, world = _env_int("PARALLELISM_CONFIG_DP_SHARD_SIZE"), _env_int("WORLD_SIZE")
+    if replicate is not None and shard is not None and world is not None and replicate * shard != world:
+        raise ConfigError(f"parallelism_config_dp_replicate_size {replicate} x parallelism_config_dp_shard_size "
+                          f"{shard} is {replicate * shard}, but {world} processes were launched: set them to the "
+                          f"number of nodes and the number of GPUs per node")
+
+
 def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     """Recipe config first, then the accelerate config, then the project's defaults."""
     overrides: list[str] = []
@@ -115,6 +131,9 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     env_replicate = (_env_int("PARALLELISM_CONFIG_DP_REPLICATE_SIZE")
                      if _env_bool("ACCELERATE_USE_PARALLELISM_CONFIG") else None)
     replicate = pick("dp_replicate_size", cfg.dp_replicate_size, env_replicate, None)
+    if env_replicate is not None:
+        # A recipe dp_replicate_size replaces accelerate's: accelerate's dp_shard_size then no longer applies.
+        _check_parallelism_config(None if cfg.dp_replicate_size is not None else replicate)
     if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
         raise ConfigError(f"dp_replicate_size {replicate} needs fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1")
 

@@ -1,24 +1,38 @@
-"""Every accelerate config shipped for CPU is launched once; the plan the recipe prints matches the YAML."""
+"""Every accelerate config shipped: the CPU ones are launched once, the GPU ones go through accelerate's own launcher
+code into the recipe's plan; in both cases the plan printed matches the one the YAML describes."""
 
+import contextlib
 
 import pytest
+import torch
+import torch.distributed as dist
 import yaml
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_multi_gpu_env
 
 from conftest import REPO, accelerate_launch, read_metrics
+from fsdp_recipes import demo
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import describe_plan, shard_model
 
 CONFIGS = sorted(p.name for p in (REPO / "accelerate_configs").glob("*.yaml"))
 CPU_CONFIGS = [name for name in CONFIGS if yaml.safe_load((REPO / "accelerate_configs" / name).read_text()).get("use_cpu")]
+GPU_CONFIGS = [name for name in CONFIGS if name not in CPU_CONFIGS]
 
 
 def expected_plan(config: dict, world: int = 2) -> list[str]:
-    """The plan lines the YAML implies, written out independently of the code that prints them (the parameter
-    count only for the tiny test model on 2 ranks)."""
+    """The plan lines the YAML implies on `world` ranks, written out independently of the code that prints them
+    (the parameter count for the tiny test model, whose dimensions every shard count divides)."""
     fsdp = config["fsdp_config"]
     version = fsdp["fsdp_version"]
+    replicate = config.get("parallelism_config", {}).get("parallelism_config_dp_replicate_size", 1)
+    shard = world // replicate
     if version == 1:
         engine, strategy = "FSDP1 (FullyShardedDataParallel)", f"{fsdp['fsdp_sharding_strategy']}, mesh {world}"
     else:
-        engine, strategy = "FSDP2 (fully_shard)", f"shard mesh {world}, reshard_after_forward={fsdp['fsdp_reshard_after_forward']}"
+        mesh = f"HSDP (replicate x shard) mesh {replicate} x {shard}" if replicate > 1 else f"shard mesh {world}"
+        engine, strategy = "FSDP2 (fully_shard)", f"{mesh}, reshard_after_forward={fsdp['fsdp_reshard_after_forward']}"
     assert config["mixed_precision"] == "bf16"
     return [
         f"engine: {engine} over {world} ranks",
@@ -29,7 +43,8 @@ def expected_plan(config: dict, world: int = 2) -> list[str]:
         "activation checkpointing: " + ("each decoder layer" if fsdp["fsdp_activation_checkpointing"] else "off"),
         "loading: " + ("rank 0 reads the weights, broadcast while sharding" if fsdp["fsdp_cpu_ram_efficient_loading"]
                        else "every rank reads the weights"),
-    ] + (["parameters: 80,192 total, 40,096 on rank 0"] if world == 2 else [])
+        f"parameters: 80,192 total, {80_192 // shard:,} on rank 0",
+    ]
 
 
 def test_cpu_configs_are_found():
@@ -51,3 +66,50 @@ def test_cpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
     assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config)
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def launched_env(name: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <name>` gives each process of node 0, made by accelerate's
+    own launcher code (`accelerate launch` runs the same functions, then torchrun adds WORLD_SIZE and
+    LOCAL_WORLD_SIZE)."""
+    args = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs" / name),
+                                               "--main_process_port", "0", "recipes/llama_sft.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=str(args.nproc_per_node))
+    return env
+
+
+@contextlib.contextmanager
+def process_group_of(world: int):
+    """`world` ranks in this one process, this one rank 0 (torch's fake backend, whose collectives do nothing):
+    enough to build the mesh and shard a model as rank 0 of 8 or 16 GPUs does, without starting them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_config_resolves_to_the_plan_its_yaml_describes(monkeypatch, name):
+    config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    for key, value in launched_env(name).items():
+        monkeypatch.setenv(key, value)
+    plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=64, intermediate_size=128,
+                                                         num_hidden_layers=2))
+    expected = expected_plan(config, world=config["num_processes"])
+    with process_group_of(config["num_processes"]):
+        if plan.fsdp_version == 1 and plan.offload_params:
+            # Sharding here runs on CPU, where FSDP1's offload cannot (it is checked on GPU by test_sharding_gpu.py):
+            # the plan is complete but for the per-rank parameter count, which needs the sharded model.
+            with pytest.raises(ConfigError, match="FSDP1 CPU offload .* needs a GPU"):
+                shard_model(model, plan, torch.device("cpu"))
+            expected = expected[:-1] + ["parameters: 80,192 total, 80,192 on rank 0"]
+        else:
+            model = shard_model(model, plan, torch.device("cpu"))
+        printed = describe_plan(model, plan)
+    assert [line.strip() for line in printed.splitlines()] == expected

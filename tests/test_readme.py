@@ -22,9 +22,9 @@ def readme_commands() -> list[str]:
 
 def test_readme_shows_the_commands_the_tests_run():
     # make demo: test_demo.py; make test: CI; accelerate launch: below; the converter: test_checkpoint.py; the
-    # memory planner: test_estimate.py.
+    # memory planner: test_estimate.py; sbatch: test_launch.py (which also runs the recipe under torchrun and alone).
     tested = ("make demo", "make test", "accelerate launch ", "python -m fsdp_recipes.convert ",
-              "python -m fsdp_recipes.estimate ")
+              "python -m fsdp_recipes.estimate ", "sbatch ")
     commands = readme_commands()
     assert commands[:2] == ["make demo", "make test"]
     assert [c for c in commands if not c.startswith(tested)] == []
@@ -45,24 +45,6 @@ def test_gpu_command_runs_with_local_model_and_data(tiny, tmp_path):
     assert "over 2 ranks" in proc.stdout
     assert [m["step"] for m in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [2]
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
-
-
-def test_recipe_runs_under_torchrun_and_alone(tiny, tmp_path):
-    common = ["recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
-              "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--max_steps", "2",
-              "--per_device_train_batch_size", "2", "--max_seq_length", "64", "--logging_steps", "1"]
-    alone = run([sys.executable, *common, "--output_dir", tmp_path / "alone"])
-    assert "over 1 ranks" in alone.stdout
-    launched = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *common,
-                    "--output_dir", tmp_path / "torchrun", "--report_to", "wandb"], WANDB_DIR=str(tmp_path))
-    assert "over 2 ranks" in launched.stdout
-    # Only rank 0 creates a W&B run, and it holds the logged metrics.
-    [wandb_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    logged = wandb_file.read_bytes()
-    for key in [b"loss", b"grad_norm", b"tokens_per_second", b"learning_rate"]:
-        assert key in logged
-    for out in ["alone", "torchrun"]:
-        assert [m["step"] for m in read_metrics(tmp_path / out / "metrics.jsonl")] == [1, 2]
 
 
 def test_help_lists_the_config_keys():

@@ -49,10 +49,19 @@ def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_
                               "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'"]
 
 
+HSDP_2X8 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8", "PARALLELISM_CONFIG_TP_SIZE": "1",
+            "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "1", "WORLD_SIZE": "16"}
+
+
 def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
-    accelerate_env.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    accelerate_env.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    for key, value in HSDP_2X8.items():
+        accelerate_env.setenv(key, value)
     assert plan_for().dp_replicate_size == 2
+    # A recipe dp_replicate_size replaces accelerate's sizes (its dp_shard_size no longer applies), and says so.
+    plan = plan_for("--dp_replicate_size", "4")
+    assert plan.dp_replicate_size == 4
+    assert plan.overrides == ["dp_replicate_size: recipe config 4 overrides accelerate config 2"]
 
 
 @pytest.mark.parametrize("env, args, message", [
@@ -68,6 +77,11 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [], "fsdp_backward_prefetch is an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "needs fsdp_sharding_strategy HYBRID_SHARD"),
     ({"FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "EARLY"}, [], "must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"),
+    ({**HSDP_2X8, "WORLD_SIZE": "2"}, [],
+     r"parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 8 is 16, but 2 processes were "
+     r"launched: set them to the number of nodes"),
+    ({**HSDP_2X8, "PARALLELISM_CONFIG_TP_SIZE": "2"}, [], r"parallelism_config_tp_size 2 is not supported"),
+    ({**HSDP_2X8, "PARALLELISM_CONFIG_CP_SIZE": "2"}, ["--dp_replicate_size", "1"], "parallelism_config_cp_size 2"),
 ])
 def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message):
     for key, value in env.items():

@@ -1,0 +1,96 @@
+"""The recipe under every launcher: alone, `torchrun` on one node, and the README's SLURM command on 2 nodes x 1
+process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO, read_metrics, run, subprocess_env
+from test_readme import readme_commands
+
+# 4 sequences per step: 1 rank x 2 micro-batches of 2, or 2 ranks x 1 of 2. A learning rate large enough that
+# steps 2 and 3 depend on the updates before them.
+TRAIN_ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--max_seq_length", "64",
+              "--logging_steps", "1", "--learning_rate", "1e-3", "--warmup_steps", "0", "--mixed_precision", "no",
+              "--save_dtype", "float32"]
+
+# Stand-ins for SLURM on one machine: `scontrol show hostnames` names 127.0.0.1 as node 0, and `srun` starts its
+# command once per node, at the same time, each with its SLURM_NODEID; as with --kill-on-bad-exit, a node that
+# fails stops the other.
+SCONTROL = '#!/bin/sh\necho 127.0.0.1\necho 127.0.0.1\n'
+SRUN = """#!/bin/bash
+while [[ $1 == -* ]]; do shift; done
+SLURM_NODEID=0 "$@" & node0=$!
+SLURM_NODEID=1 "$@" & node1=$!
+for _ in 0 1; do wait -n || { kill $node0 $node1 2>/dev/null; exit 1; }; done
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def losses(out) -> list[float]:
+    return [m["loss"] for m in read_metrics(out / "metrics.jsonl")]
+
+
+def fake_slurm(bin_dir):
+    bin_dir.mkdir()
+    for name, text in [("scontrol", SCONTROL), ("srun", SRUN)]:
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return bin_dir
+
+
+def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
+    common = ["--model_name_or_path", tiny["model"], *TRAIN_ARGS]
+
+    # 2 nodes x 1 process: the README's command, with bash for sbatch, each node running slurm/launch_node.sh.
+    [sbatch] = [c for c in readme_commands() if c.startswith("sbatch ")]
+    local = {"my_data.jsonl": str(tiny["data"]), "/shared/outputs/llama": str(tmp_path / "nodes")}
+    command = ["bash", *[local.get(a, a) for a in sbatch.split()[1:]], *map(str, common),
+               "--gradient_accumulation_steps", "1"]
+    assert command[1] == "slurm/sft_multinode.sbatch" and str(tmp_path / "nodes") in command
+    # What sbatch sets for a 2-node job of 1 GPU per node; the port is a free one here.
+    slurm = dict(SLURM_NNODES="2", SLURM_GPUS_ON_NODE="1", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]",
+                 SLURM_JOB_ID="1", MASTER_PORT=str(free_port()))
+    path = os.pathsep.join([str(fake_slurm(tmp_path / "bin")), os.path.dirname(sys.executable), os.environ["PATH"]])
+    env = subprocess_env(PATH=path, **slurm)
+    nodes = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert nodes.returncode == 0, nodes.stdout[-4000:] + nodes.stderr[-4000:]
+    # Replicated across the 2 nodes (accelerate's parallelism_config, set by launch_node.sh), sharded within each.
+    assert "engine: FSDP2 (fully_shard) over 2 ranks" in nodes.stdout
+    assert "strategy: HSDP (replicate x shard) mesh 2 x 1, reshard_after_forward=True" in nodes.stdout
+
+    # One node: torchrun with 2 processes (plan from the recipe config alone: FSDP2 over 2 ranks), and W&B logging.
+    recipe = ["recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml", "--dataset_name", tiny["data"],
+              *common]
+    launched = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *recipe,
+                    "--gradient_accumulation_steps", "1", "--output_dir", tmp_path / "torchrun",
+                    "--report_to", "wandb"], WANDB_DIR=str(tmp_path))
+    assert "engine: FSDP2 (fully_shard) over 2 ranks" in launched.stdout
+    # Only rank 0 creates a W&B run, and it holds the logged metrics.
+    [wandb_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    for key in [b"loss", b"grad_norm", b"tokens_per_second", b"learning_rate"]:
+        assert key in wandb_file.read_bytes()
+
+    # One process, no launcher: the same 4 sequences per step as 2 micro-batches.
+    alone = run([sys.executable, *recipe, "--gradient_accumulation_steps", "2", "--output_dir", tmp_path / "alone"])
+    assert "engine: FSDP2 (fully_shard) over 1 ranks" in alone.stdout
+
+    reference = losses(tmp_path / "alone")
+    assert len(reference) == 3 and reference[2] < reference[0] - 0.1  # it trains
+    weights = load_file(tmp_path / "alone" / "final" / "model.safetensors")
+    for out in ["torchrun", "nodes"]:
+        assert losses(tmp_path / out) == pytest.approx(reference, rel=1e-5), out
+        exported = load_file(tmp_path / out / "final" / "model.safetensors")
+        assert exported.keys() == weights.keys()
+        for name, tensor in weights.items():
+            assert (exported[name] - tensor).abs().max() <= 1e-5, (out, name)
