@@ -38,8 +38,10 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
     if cfg.report_to != "wandb":
         return
     import wandb
+    from wandb.sdk import wandb_setup
 
-    if wandb.setup().settings.mode in ("offline", "dryrun", "disabled"):
+    # The settings wandb.login reads (environment, settings files), without starting wandb's service process.
+    if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):
         return
     if not wandb.login(verify=False, prompt=False):
         raise ConfigError(
