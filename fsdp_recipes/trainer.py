@@ -1,4 +1,4 @@
-"""The training loop: token-weighted loss over accumulation and ranks, clipping, AdamW, metrics."""
+"""The training loop: token-weighted loss over accumulation and ranks, clipping, AdamW, evaluation, metrics."""
 
 from __future__ import annotations
 
