@@ -111,6 +111,12 @@ def test_sample_generation_is_what_from_pretrained_generates(observed):
         expected.append({"prompt": prompt,
                          "completion": tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)})
     assert read_metrics(observed["out"] / "samples.jsonl") == expected
+    # ... and the W&B table `samples`, logged at the last step.
+    run_file = sorted((observed["root"] / "wandb").glob("offline-run-*/run-*.wandb"))[-1]
+    table = run_summary(run_file)["history"][6]
+    assert (table["samples/_type"], table["samples/nrows"]) == ("table-file", 2)
+    rows = json.loads((run_file.parent / "files" / table["samples/path"]).read_text())["data"]
+    assert rows == [[s["prompt"], s["completion"]] for s in expected]
     for sample in expected:
         assert f"sample: {sample['prompt']!r} -> {sample['completion']!r}" in observed["resumed"].stdout
     # Without a terminal: plain progress lines with the time left.
