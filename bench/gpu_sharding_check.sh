@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The sharding checks that need a GPU: NCCL, FSDP2 offload to pinned memory, FSDP1 CPUOffload, rank-0 loading on
-# GPU, and every single-node GPU accelerate config launched on the GPUs present (tests/test_sharding_gpu.py); then the
-# plan tests with the CUDA build. Not run yet (no GPU so far). Usage: bench/gpu_sharding_check.sh [python]
+# The checks that need a GPU: NCCL, FSDP2 offload to pinned memory, FSDP1 CPUOffload, rank-0 loading on GPU, and
+# every single-node GPU accelerate config launched on the GPUs present (tests/test_sharding_gpu.py); CUDA peak memory
+# and MFU in the logged metrics (tests/test_metrics_gpu.py); then the plan tests with the CUDA build. Not run yet
+# (no GPU so far). Usage: bench/gpu_sharding_check.sh [python]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${1:-${PYTHON:-python}}"
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count(), 'GPU(s)')"
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" -m pytest -q -rs tests/test_sharding_gpu.py tests/test_sharding_plan.py
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 900 "$PYTHON" -m pytest -q -rs tests/test_sharding_gpu.py tests/test_metrics_gpu.py tests/test_sharding_plan.py

@@ -125,6 +125,24 @@ class TrainConfig:
         default="auto", metadata={"help": "dtype of the exported model; auto: the dtype of the model as loaded."}
     )
 
+    # Evaluation and sample generation (see README, "Evaluation" and "Sample generation").
+    eval_steps: int = field(
+        default=0,
+        metadata={"help": "Evaluate on the held-out split every N steps and at the end; 0: at the end only (when "
+                          "there is a held-out split)."},
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per rank per eval batch."})
+    generation_prompts: Optional[list[str]] = field(
+        default=None,
+        metadata={"help": "Prompts that rank 0 answers greedily with the exported model at the end of the run."},
+    )
+    generation_max_new_tokens: int = field(default=64, metadata={"help": "Longest generated answer, in tokens."})
+    generation_use_chat_template: bool = field(
+        default=True,
+        metadata={"help": "Send each prompt as a user turn through the tokenizer's chat template; false: as plain "
+                          "text after the BOS token."},
+    )
+
     # Logging and saving.
     logging_steps: int = field(default=1, metadata={"help": "Log every N optimizer steps."})
     save_steps: int = field(
@@ -150,7 +168,8 @@ class TrainConfig:
         for name, value in required.items():
             if not value:
                 raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
-        positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps"]
+        positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps",
+                    "per_device_eval_batch_size", "generation_max_new_tokens"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -162,6 +181,10 @@ class TrainConfig:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.eval_split and self.eval_fraction:
             raise ConfigError("set eval_split or eval_fraction, not both")
+        if self.eval_steps < 0:
+            raise ConfigError(f"eval_steps must be 0 (evaluate at the end only) or positive, got {self.eval_steps}")
+        if self.eval_steps and not (self.eval_split or self.eval_fraction):
+            raise ConfigError("eval_steps needs a held-out split: set eval_split or eval_fraction")
         if self.fsdp_version not in (None, 1, 2):
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
         if self.dp_replicate_size is not None and self.dp_replicate_size < 1:

@@ -1,17 +1,72 @@
-"""Metrics: one JSON line per logged step in <output_dir>/metrics.jsonl, and W&B when asked. Rank 0 writes."""
+"""Metrics: one JSON line per logged event in <output_dir>/metrics.jsonl, and W&B when asked. Rank 0 writes.
+
+Only global rank 0 creates a W&B run. Its id is saved in every checkpoint; a run resumed from a checkpoint
+continues the same W&B run, on the same step axis (the optimizer step).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
 
-from .config import TrainConfig
+import torch
+
+from .config import ConfigError, TrainConfig
+
+_VERSIONED_PACKAGES = ["fsdp-recipes", "torch", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of Python, CUDA and the libraries that decide a run's numbers, for the W&B config."""
+    versions = {"python": platform.python_version(), "cuda": torch.version.cuda or "none"}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def check_wandb_credentials(cfg: TrainConfig) -> None:
+    """With report_to wandb in online mode, fail now, before the model is loaded, when no API key is configured.
+
+    Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server.
+    """
+    if cfg.report_to != "wandb":
+        return
+    import wandb
+    from wandb.sdk import wandb_setup
+
+    # The settings wandb.login reads (environment, settings files), without starting wandb's service process.
+    if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):
+        return
+    if not wandb.login(verify=False, prompt=False):
+        raise ConfigError(
+            "report_to is wandb but no W&B API key is configured: set WANDB_API_KEY or run `wandb login`; or log "
+            "without network with WANDB_MODE=offline (then `wandb sync`), or pass --report_to none"
+        )
+
+
+def saved_wandb_run_id(checkpoint: Optional[str]) -> Optional[str]:
+    """The W&B run id saved in a checkpoint's trainer_state.json (None if the run did not log to W&B)."""
+    if checkpoint is None:
+        return None
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        return json.load(f).get("wandb_run_id")
 
 
 class MetricsLogger:
-    def __init__(self, cfg: TrainConfig, is_main: bool, extra_config: dict | None = None):
+    """`run_config` goes to W&B next to the resolved config (e.g. the sharding plan); `resume_from` is the
+    checkpoint a resumed run starts from, whose W&B run it continues."""
+
+    def __init__(self, cfg: TrainConfig, is_main: bool, run_config: dict | None = None,
+                 resume_from: Optional[str] = None):
         self.is_main = is_main
         self.wandb_run = None
+        self.last_step = 0
         if not is_main:
             return
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -19,9 +74,16 @@ class MetricsLogger:
         if cfg.report_to == "wandb":
             import wandb
 
+            run_id = saved_wandb_run_id(resume_from)
             self.wandb_run = wandb.init(
-                project=cfg.wandb_project, name=cfg.run_name, config={**cfg.to_dict(), **(extra_config or {})}
+                project=cfg.wandb_project, name=cfg.run_name, id=run_id, resume="allow" if run_id else None,
+                config={**cfg.to_dict(), **(run_config or {}), "versions": library_versions()},
+                allow_val_change=bool(run_id),  # a resumed run may change e.g. max_steps
             )
+
+    @property
+    def wandb_run_id(self) -> Optional[str]:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def start_at(self, step: int) -> None:
         """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest."""
@@ -35,12 +97,26 @@ class MetricsLogger:
             f.writelines(kept)
 
     def log(self, metrics: dict) -> None:
+        """One event of step metrics["step"]: a line of metrics.jsonl, and the same keys in W&B at that step."""
         if not self.is_main:
             return
+        self.last_step = metrics["step"]
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def log_samples(self, samples: list[dict]) -> None:
+        """Sample generations ({"prompt", "completion"}): <output_dir>/samples.jsonl and a W&B table."""
+        if not self.is_main:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "w") as f:
+            f.writelines(json.dumps(sample) + "\n" for sample in samples)
+        if self.wandb_run is not None:
+            import wandb
+
+            table = wandb.Table(columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples])
+            self.wandb_run.log({"samples": table}, step=self.last_step)
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -1,4 +1,4 @@
-"""The training loop: token-weighted loss over accumulation and ranks, clipping, AdamW, metrics."""
+"""The training loop: token-weighted loss over accumulation and ranks, clipping, AdamW, evaluation, metrics."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ from transformers import get_scheduler
 from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
+from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
+from .evaluation import eval_batches
+from .flops import peak_flops, training_flops_per_token
 from .metrics import MetricsLogger
+from .progress import TrainingProgress, use_progress_bars
 from .sharding import gradient_sync, original_ndims
 
 
@@ -94,9 +98,26 @@ def count_total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
 
 
+@torch.no_grad()
+def evaluate(model: nn.Module, eval_dataset, cfg: TrainConfig, tokenizer, env: DistEnv) -> dict[str, float]:
+    """Token-weighted loss over the whole held-out split (all ranks take part), and its perplexity."""
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, label tokens
+    for batch in eval_batches(eval_dataset, cfg.per_device_eval_batch_size, tokenizer.pad_token_id, env.rank,
+                              env.world_size):
+        batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+        sums[0] += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
+        sums[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    dist.all_reduce(sums)
+    model.train()
+    loss = (sums[0] / sums[1]).item()
+    return {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}  # exp overflows above 709
+
+
 def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
-          resume_from: str | None = None) -> None:
-    """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated)."""
+          resume_from: str | None = None, eval_dataset=None) -> None:
+    """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
+    eval_dataset (if any) every eval_steps and at the end."""
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size)
     total_steps = count_total_steps(cfg, len(loader))
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
@@ -109,10 +130,16 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
     logger.start_at(start_step)
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
-    wandb_run_id = logger.wandb_run.id if logger.wandb_run is not None else None
+    # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.
+    device_peak_flops = peak_flops(env.device)
+    architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
     print_rank0(f"training: {total_steps} steps of {cfg.gradient_accumulation_steps} x "
                 f"{cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
+    progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
+    # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's
+    # host time says little; the interval's does. Evaluation and checkpoint saves are not counted.
+    interval = {"seconds": 0.0, "steps": 0, "input_tokens": 0.0, "token_slots": 0.0, "rows": 0}
     model.train()
     for step in range(start_step + 1, total_steps + 1):
         start = time.perf_counter()
@@ -126,22 +153,47 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        interval["steps"] += 1
+        interval["input_tokens"] += input_tokens
+        interval["token_slots"] += token_slots
+        interval["rows"] += sum(mb["input_ids"].shape[0] for mb in micro_batches) * env.world_size
 
         if step % cfg.logging_steps == 0 or step == total_steps:
             dist.all_reduce(loss_sum)
-            step_time = time.perf_counter() - start
-            logger.log({
+            loss = loss_sum.item() / label_tokens  # waits for the device: the interval's work is done
+            memory = peak_memory_across_ranks(env.device)
+            interval["seconds"] += time.perf_counter() - start
+            tokens_per_second = interval["input_tokens"] / interval["seconds"]
+            metrics = {
                 "step": step,
-                "loss": loss_sum.item() / label_tokens,
+                "loss": loss,
                 "learning_rate": learning_rate,
                 "grad_norm": grad_norm.item(),
                 "tokens": int(label_tokens),
                 "input_tokens": int(input_tokens),
                 "real_token_share": input_tokens / token_slots,
-                "tokens_per_second": input_tokens / step_time,
-                "step_time": step_time,
-            })
-            print_rank0(f"step {step}/{total_steps} loss {loss_sum.item() / label_tokens:.4f} "
-                        f"lr {learning_rate:.2e} grad_norm {grad_norm.item():.3f}")
+                "tokens_per_second": tokens_per_second,
+                "tokens_per_second_per_device": tokens_per_second / env.world_size,
+                "step_time": interval["seconds"] / interval["steps"],
+                **memory,
+            }
+            if architecture is not None:
+                mean_row_length = interval["token_slots"] / interval["rows"]
+                metrics["mfu"] = mfu(metrics["tokens_per_second_per_device"],
+                                     training_flops_per_token(architecture, round(mean_row_length)), device_peak_flops)
+            logger.log(metrics)
+            progress.logged(metrics)
+            interval = dict.fromkeys(interval, 0)
+        else:
+            interval["seconds"] += time.perf_counter() - start
+        progress.advance()
+
+        if eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+            eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
+            logger.log({"step": step, **eval_metrics})
+            progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
+                           f"perplexity {eval_metrics['eval/perplexity']:.3f}")
         if cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps):
-            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch, wandb_run_id)
+            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
+                            logger.wandb_run_id)
+    progress.close()

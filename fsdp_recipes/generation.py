@@ -1,0 +1,46 @@
+"""Sample generations from the exported model at the end of a run: what the model does, without another script."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .config import TrainConfig
+from .metrics import MetricsLogger
+
+
+@torch.no_grad()
+def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, use_chat_template: bool,
+                     device: torch.device, trust_remote_code: bool = False) -> list[dict]:
+    """Greedy answers of the model folder `model_dir` (loaded with from_pretrained) to each prompt, one at a time.
+
+    With use_chat_template each prompt is a user turn followed by the assistant's generation prompt, as chat and
+    instruction data are trained; otherwise it is plain text after the BOS token, as prompt/completion data are.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code).to(device).eval()
+    samples = []
+    for prompt in prompts:
+        if use_chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = (tokenizer.bos_token or "") + prompt
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+        completion = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        samples.append({"prompt": prompt, "completion": completion})
+    return samples
+
+
+def log_sample_generations(cfg: TrainConfig, model_dir: str, device: torch.device, logger: MetricsLogger) -> None:
+    """Rank 0 answers cfg.generation_prompts with the exported model, prints the answers and logs them
+    (samples.jsonl, a W&B table). The model must fit on one device; the other ranks do nothing."""
+    if not cfg.generation_prompts or not logger.is_main:
+        return
+    samples = generate_samples(model_dir, cfg.generation_prompts, cfg.generation_max_new_tokens,
+                               cfg.generation_use_chat_template, device, cfg.trust_remote_code)
+    for sample in samples:
+        print(f"sample: {sample['prompt']!r} -> {sample['completion']!r}", flush=True)
+    logger.log_samples(samples)

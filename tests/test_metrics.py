@@ -1,0 +1,164 @@
+"""What a run shows: W&B (offline) that survives a resume, metrics.jsonl, peak memory over ranks, evaluation on the
+held-out split, progress and sample generations. One 2-process run of 4 steps, resumed to 6, feeds most tests."""
+
+import io
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, read_metrics, run, torchrun
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.data_formats import IGNORE_INDEX
+from fsdp_recipes.device_stats import flops_model
+from fsdp_recipes.evaluation import eval_batches
+from fsdp_recipes.flops import training_flops_per_token
+from fsdp_recipes.progress import TrainingProgress, use_progress_bars
+from wandb_records import run_summary
+
+RECIPE = "recipes/llama_sft.py"
+DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
+PROMPTS = ["reverse: abcd", "reverse: deadbeef"]
+
+
+@pytest.fixture(scope="module")
+def observed(tiny, tmp_path_factory):
+    """4 steps under the recording driver (checkpoints at 2 and 4), then resumed by the plain recipe to step 6.
+
+    17 held-out examples (7% of 256) in eval batches of 8: rank 0 gets 9 rows, rank 1 gets 8 and one dummy batch.
+    """
+    root = tmp_path_factory.mktemp("observed")
+    (root / "records").mkdir()
+    common = ["--config", "recipes/configs/llama_sft.yaml", "--model_name_or_path", tiny["model"],
+              "--dataset_name", tiny["data"], "--output_dir", root / "out", "--per_device_train_batch_size", "4",
+              "--max_seq_length", "64", "--logging_steps", "1", "--mixed_precision", "no", "--eval_fraction", "0.07",
+              "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--save_steps", "2", "--report_to", "wandb"]
+    first = torchrun(DRIVER, root / "records", *common, "--max_steps", "4", WANDB_DIR=str(root))
+    resumed = torchrun(RECIPE, *common, "--max_steps", "6", "--resume_from_checkpoint", "auto",
+                       "--generation_prompts", *PROMPTS, "--generation_max_new_tokens", "8", WANDB_DIR=str(root))
+    records = {r: read_metrics(root / "records" / f"rank_{r}.jsonl") for r in (0, 1)}
+    return {"root": root, "out": root / "out", "first": first, "resumed": resumed, "records": records}
+
+
+def split_metrics(path):
+    lines = read_metrics(path)
+    return [m for m in lines if "loss" in m], [m for m in lines if "eval/loss" in m]
+
+
+def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(observed):
+    runs = sorted((observed["root"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2  # one W&B run per launch, by rank 0 only
+    first, resumed = (run_summary(path) for path in runs)
+    state = json.loads((observed["out"] / "checkpoint-4" / "trainer_state.json").read_text())
+    assert first["id"] == resumed["id"] == state["wandb_run_id"]
+    # The step axis continues: 1-4, then 5-6, with nothing repeated and no gap.
+    assert sorted(first["history"]) == [1, 2, 3, 4] and sorted(resumed["history"]) == [5, 6]
+    history = {**first["history"], **resumed["history"]}
+
+    train, evals = split_metrics(observed["out"] / "metrics.jsonl")
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6] and [m["step"] for m in evals] == [2, 4, 6]
+    for line in train + evals:  # metrics.jsonl and W&B hold the same numbers
+        assert {k: v for k, v in line.items() if k != "step"}.items() <= history[line["step"]].items()
+    for m in train:
+        assert m.keys() == {"step", "loss", "learning_rate", "grad_norm", "tokens", "input_tokens", "real_token_share",
+                            "tokens_per_second", "tokens_per_second_per_device", "step_time", "peak_rss_gib"}
+        assert m["tokens_per_second_per_device"] == pytest.approx(m["tokens_per_second"] / 2)
+        assert 0 < m["real_token_share"] <= 1 and m["step_time"] > 0 and m["grad_norm"] > 0
+
+    config = first["config"]
+    assert config["learning_rate"] == 1e-5 and config["eval_fraction"] == 0.07 and config["max_steps"] == 4
+    assert "engine: FSDP2 (fully_shard) over 2 ranks" in config["sharding_plan"]["description"]
+    assert config["sharding_plan"]["mixed_precision"] == "no"
+    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["wandb"]
+    assert resumed["config"]["max_steps"] == 6
+
+
+def test_logged_peak_memory_is_the_largest_of_all_ranks(observed):
+    mine, other = ([r["memory"]["peak_rss_gib"] for r in observed["records"][rank] if "memory" in r] for rank in (0, 1))
+    assert len(mine) == len(other) == 4  # one reduction per logged step, on every rank
+    train, _ = split_metrics(observed["out"] / "metrics.jsonl")
+    assert [m["peak_rss_gib"] for m in train[:4]] == [max(a, b) for a, b in zip(mine, other)]
+    assert all(b > a + 0.1 for a, b in zip(mine, other))  # rank 1's 200 MB ballast: the logged peak is rank 1's
+
+
+def test_eval_loss_equals_the_whole_split_in_one_process(observed):
+    results = {rank: [r for r in observed["records"][rank] if "eval" in r] for rank in (0, 1)}
+    assert len(results[0]) == len(results[1]) == 2  # steps 2 and 4
+    _, evals = split_metrics(observed["out"] / "metrics.jsonl")
+    for logged, mine, other in zip(evals, results[0], results[1]):
+        assert mine["eval_examples"] == 17
+        assert mine["forward_passes"] == other["forward_passes"] == 2  # rank 1 runs a dummy batch
+        assert mine["eval"] == other["eval"]
+        assert mine["eval"]["eval/loss"] == pytest.approx(mine["reference"], rel=1e-6)
+        assert logged["eval/loss"] == mine["eval"]["eval/loss"]
+        assert logged["eval/perplexity"] == pytest.approx(math.exp(logged["eval/loss"]), rel=1e-12)
+    assert "eval at step 6: loss" in observed["resumed"].stdout
+
+
+def test_sample_generation_is_what_from_pretrained_generates(observed):
+    final = observed["out"] / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    expected = []
+    for prompt in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected.append({"prompt": prompt,
+                         "completion": tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)})
+    assert read_metrics(observed["out"] / "samples.jsonl") == expected
+    # ... and the W&B table `samples`, logged at the last step.
+    run_file = sorted((observed["root"] / "wandb").glob("offline-run-*/run-*.wandb"))[-1]
+    table = run_summary(run_file)["history"][6]
+    assert (table["samples/_type"], table["samples/nrows"]) == ("table-file", 2)
+    rows = json.loads((run_file.parent / "files" / table["samples/path"]).read_text())["data"]
+    assert rows == [[s["prompt"], s["completion"]] for s in expected]
+    for sample in expected:
+        assert f"sample: {sample['prompt']!r} -> {sample['completion']!r}" in observed["resumed"].stdout
+    # Without a terminal: plain progress lines with the time left.
+    assert "step 6/6 loss" in observed["resumed"].stdout and "time left 0:00:00" in observed["resumed"].stdout
+
+
+def test_missing_wandb_api_key_stops_the_run_before_the_model_is_loaded(tmp_path):
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
+                "--report_to", "wandb"], expect_rc=2, WANDB_MODE="online", WANDB_API_KEY="", HOME=str(tmp_path),
+               NETRC=str(tmp_path / "netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"))
+    assert "error: report_to is wandb but no W&B API key is configured: set WANDB_API_KEY or run `wandb login`" in proc.stderr
+    assert "WANDB_MODE=offline" in proc.stderr and "--report_to none" in proc.stderr
+    assert "no_such_model" not in proc.stderr
+
+
+def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
+    for n, world, size in [(17, 2, 8), (1, 3, 2), (10, 3, 4), (8, 2, 4)]:
+        dataset = [{"input_ids": [7] * (i + 2), "labels": [i] * (i + 2)} for i in range(n)]
+        per_rank = [list(eval_batches(dataset, size, 0, rank, world)) for rank in range(world)]
+        assert len({len(batches) for batches in per_rank}) == 1
+        labels = [row[row != IGNORE_INDEX] for batches in per_rank for b in batches for row in b["labels"]]
+        assert sorted(int(row[0]) for row in labels if row.numel()) == list(range(n))  # dummy rows: no label
+
+
+def test_progress_bar_only_on_rank0_in_a_terminal():
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        assert use_progress_bars(True, terminal) and not use_progress_bars(False, terminal)
+    os.close(leader)
+    assert not use_progress_bars(True, io.StringIO())
+    progress = TrainingProgress(total_steps=10, start_step=4, show_bar=True)
+    progress.advance()
+    progress.logged({"step": 5, "loss": 1.25, "tokens_per_second": 300.0})
+    assert progress.bar.n == 5 and "loss=1.2500" in str(progress.bar)
+    progress.close()
+
+
+def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):
+    model = AutoModelForCausalLM.from_pretrained(tiny["model"])
+    assert training_flops_per_token(flops_model(model), 64) == training_flops_per_token(model, 64)
+
+
+def test_eval_steps_need_a_held_out_split():
+    with pytest.raises(ConfigError, match="eval_steps needs a held-out split"):
+        parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--eval_steps", "10"])
