@@ -21,8 +21,9 @@ def readme_commands() -> list[str]:
 
 
 def test_readme_shows_the_commands_the_tests_run():
-    # make demo: test_demo.py; make test: CI; accelerate launch: below; the converter: test_checkpoint.py.
-    tested = ("make demo", "make test", "accelerate launch ", "python -m fsdp_recipes.convert ")
+    # make demo: test_demo.py; make test: CI; accelerate launch: below; the converter: test_checkpoint.py;
+    # make new-recipe: test_recipes.py.
+    tested = ("make demo", "make test", "accelerate launch ", "python -m fsdp_recipes.convert ", "make new-recipe ")
     commands = readme_commands()
     assert commands[:2] == ["make demo", "make test"]
     assert [c for c in commands if not c.startswith(tested)] == []
