@@ -78,7 +78,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: 
                 # A mean over the micro-batch's tokens: weighted as HF's Trainer does, coef x its mean over the
                 # step's micro-batches and (through FSDP's gradient average) ranks.
                 loss = loss + model.config.router_aux_loss_coef * aux_loss / len(micro_batches)
-                aux_loss_sum = aux_loss.detach() + (0 if aux_loss_sum is None else aux_loss_sum)
+                aux_loss_sum = aux_loss.detach() if aux_loss_sum is None else aux_loss_sum + aux_loss.detach()
             loss.backward()
         loss_sum += mb_loss_sum.detach()
     return loss_sum, aux_loss_sum
@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         micro_batches = next(batches)
         label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
         loss_sum, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
-                                    sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
+                                                  sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
 
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         learning_rate = scheduler.get_last_lr()[0]
