@@ -19,6 +19,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
+from fsdp_recipes.model import load_model
 from fsdp_recipes.new_recipe import split_recipe
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import forward_backward
@@ -236,3 +237,28 @@ def test_new_recipe_runs_a_family_without_recipe_through_the_generic_path(data, 
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
     assert "wrapped: 2 x BioGptDecoderLayer, then the root" in result["stdout"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_packed_sequences_keep_the_sliding_window(family):
+    """Two packed examples (position_ids restarting at 0, no attention_mask, as the trainer passes them): the
+    logits equal those of each example alone, so the mask is both block-diagonal and sliding."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family][2], dtype=torch.float32).eval()
+    model.config.use_cache = False  # as load_model does: with a cache, transformers ignores position_ids for masks
+    first, second = (torch.randint(5, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+                     for n in (20, 24))
+    packed = torch.cat([first, second], dim=1)
+    position_ids = torch.cat([torch.arange(20), torch.arange(24)])[None]
+    with torch.no_grad():
+        logits = model(input_ids=packed, position_ids=position_ids).logits
+        alone = torch.cat([model(input_ids=first).logits, model(input_ids=second).logits], dim=1)
+    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
+    llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
+    cfg = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "data.jsonl",
+                        "--output_router_logits", "true"])
+    with pytest.raises(ConfigError, match="output_router_logits is set, but llama models have no such setting"):
+        load_model(cfg)
