@@ -1,10 +1,12 @@
 """Create the recipe and YAML config of another model family from the reference recipe, recipes/llama_sft.py.
 
     make new-recipe MODEL=olmo2          # or: python -m fsdp_recipes.new_recipe olmo2
+    python -m fsdp_recipes.new_recipe --sync
 
 MODEL is the model_type of the family's config.json. The new recipe takes every shared line from llama_sft.py, so
-it passes tests/test_recipes.py's check that the shared part of all recipes is identical. Standard library only:
-it runs before any environment is installed.
+it passes tests/test_recipes.py's check that the shared part of all recipes is identical. After a change to the
+shared part of llama_sft.py, --sync copies it into every other recipe (each keeps its docstring and own block).
+Standard library only: it runs before any environment is installed.
 """
 
 from __future__ import annotations
@@ -82,12 +84,35 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     return recipe, config
 
 
+def sync_recipes(recipes_dir: str) -> list[str]:
+    """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed."""
+    with open(REFERENCE) as f:
+        _, head, _, tail = split_recipe(f.read())
+    changed = []
+    for name in sorted(os.listdir(recipes_dir)):
+        path = os.path.join(recipes_dir, name)
+        if not name.endswith(".py") or os.path.samefile(path, REFERENCE):
+            continue
+        with open(path) as f:
+            text = f.read()
+        doc, _, own, _ = split_recipe(text)
+        if doc + head + own + tail != text:
+            with open(path, "w") as f:
+                f.write(doc + head + own + tail)
+            changed.append(path)
+    return changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_type", help="config.json's model_type, e.g. olmo2")
+    parser.add_argument("model_type", nargs="?", help="config.json's model_type, e.g. olmo2")
     parser.add_argument("--recipes_dir", default=os.path.join(REPO, "recipes"))
+    parser.add_argument("--sync", action="store_true", help="copy llama_sft.py's shared part into every recipe")
     args = parser.parse_args()
-    for path in new_recipe(args.model_type, args.recipes_dir):
+    if args.sync == bool(args.model_type):
+        parser.error("give a model_type, or --sync")
+    paths = sync_recipes(args.recipes_dir) if args.sync else new_recipe(args.model_type, args.recipes_dir)
+    for path in paths:
         print(f"wrote {path}")
 
 

@@ -20,7 +20,7 @@ from fsdp_recipes.data import IGNORE_INDEX
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model
-from fsdp_recipes.new_recipe import split_recipe
+from fsdp_recipes.new_recipe import split_recipe, sync_recipes
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import forward_backward
 
@@ -180,7 +180,9 @@ def test_recipes_share_every_line_but_their_own():
     for path in recipes:
         text = path.read_text()
         _, recipe_head, own, recipe_tail = split_recipe(text)
-        assert (recipe_head, recipe_tail) == (head, tail), f"{path.name}'s shared part differs from llama_sft.py's"
+        assert (recipe_head, recipe_tail) == (head, tail), (
+            f"{path.name}'s shared part differs from llama_sft.py's: `python -m fsdp_recipes.new_recipe --sync` "
+            "copies llama_sft.py's into every recipe")
         assert "MODEL_TYPES = " in own and len(text.splitlines()) <= 150
     for config_yaml in (REPO / "recipes" / "configs").glob("*.yaml"):  # only known keys, real hub ids
         cfg = parse_config(["--config", str(config_yaml), "--dataset_name", "data.jsonl"])
@@ -264,3 +266,12 @@ def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
                         "--output_router_logits", "true"])
     with pytest.raises(ConfigError, match="output_router_logits is set, but llama models have no such setting"):
         load_model(cfg)
+
+
+def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
+    gemma = (REPO / "recipes" / "gemma_sft.py").read_text()
+    (tmp_path / "gemma_sft.py").write_text(gemma.replace("    plan = resolve_plan(cfg)\n", ""))  # an outdated copy
+    (tmp_path / "llama_sft.py").symlink_to(REPO / "recipes" / "llama_sft.py")  # the reference is not rewritten
+    assert sync_recipes(str(tmp_path)) == [str(tmp_path / "gemma_sft.py")]
+    assert (tmp_path / "gemma_sft.py").read_text() == gemma
+    assert sync_recipes(str(tmp_path)) == []
