@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
@@ -81,11 +82,14 @@ def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data
     recorded = torch.load(out / "sharded.pt", weights_only=True)
     inputs = recorded["inputs"]
     final = out / "run" / "final"
-    reloaded = AutoModelForCausalLM.from_pretrained(final).eval()
-    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).eval()
+    # config.json does not record the attention implementation: reload with the recipe's (Gemma 2: eager).
+    attn = yaml.safe_load((REPO / config_yaml).read_text()).get("attn_implementation", "sdpa")
+    reloaded = AutoModelForCausalLM.from_pretrained(final, attn_implementation=attn).eval()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
     missing, unexpected = reference.load_state_dict(recorded["gathered"], strict=False)
     assert not unexpected and set(missing) <= tied_parameter_names(reference)
-    initial = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn).eval()
     with torch.no_grad():
         logits = reloaded(inputs).logits
         assert torch.equal(logits, reference(inputs).logits)
