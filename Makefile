@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo
 DEMO_ARGS ?=
 DEMO_MIN_ACCURACY ?= 0.9
+RECIPES_DIR ?= recipes
 
-.PHONY: demo test clean
+.PHONY: demo test clean new-recipe
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 tests
+
+# Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml.
+new-recipe:
+	@test -n "$(MODEL)" || { echo "usage: make new-recipe MODEL=<model_type of config.json, e.g. olmo2>"; exit 2; }
+	$(PYTHON) -m fsdp_recipes.new_recipe $(MODEL) --recipes_dir $(RECIPES_DIR)
 
 clean:
 	rm -rf $(VENV) demo

@@ -26,6 +26,14 @@ class TrainConfig:
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2."})
+    output_router_logits: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Mixture of experts: add the router load-balancing loss (x router_aux_loss_coef) to the "
+                          "loss. Default: the model config's."},
+    )
+    router_aux_loss_coef: Optional[float] = field(
+        default=None, metadata={"help": "Weight of the router load-balancing loss. Default: the model config's."}
+    )
 
     # Data (see README, "Data").
     dataset_name: Optional[str] = field(

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, shard_model, state_dict_name
 
@@ -34,6 +34,19 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def model_config_overrides(cfg: TrainConfig) -> dict:
+    """Model config attributes the recipe config sets (the MoE router loss); one the model lacks is an error."""
+    overrides = {key: getattr(cfg, key) for key in ("output_router_logits", "router_aux_loss_coef")
+                 if getattr(cfg, key) is not None}
+    if overrides:
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+        missing = [key for key in overrides if not hasattr(config, key)]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "
+                              "(they are not a mixture of experts): remove it")
+    return overrides
+
+
 def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
     model = AutoModelForCausalLM.from_pretrained(
@@ -41,6 +54,7 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrain
         dtype=dtype,
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
+        **model_config_overrides(cfg),
     )
     model.config.use_cache = False  # the KV cache only costs memory in training
     return model
@@ -58,6 +72,8 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
 
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     config.use_cache = False
+    for key, value in model_config_overrides(cfg).items():
+        setattr(config, key, value)
     # Buffers stay real: non-persistent ones (rotary frequencies) are computed here, not read from the checkpoint.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(

@@ -15,20 +15,18 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from . import fsdp1, fsdp2
 from .config import ConfigError
+from .distributed import print_rank0
 from .plan import ShardingPlan
 
 MASTER_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
 
 
 def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type, ...]:
-    """The module classes to wrap: the names given, else the model's `_no_split_modules`."""
+    """The module classes to wrap: the names given, else the model's `_no_split_modules`, else its decoder layers."""
     names = names or list(getattr(model, "_no_split_modules", None) or [])
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     if not names:
-        raise ConfigError(
-            f"{type(model).__name__} declares no _no_split_modules: set fsdp_transformer_layer_cls_to_wrap to its "
-            f"decoder layer class, one of: {', '.join(sorted(by_name))}"
-        )
+        return (find_decoder_layer_class(model),)
     missing = [n for n in names if n not in by_name]
     if missing:
         raise ConfigError(
@@ -36,6 +34,29 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
             f"{type(model).__name__}; its module classes are: {', '.join(sorted(by_name))}"
         )
     return tuple(by_name[n] for n in names)
+
+
+def find_decoder_layer_class(model: nn.Module) -> type:
+    """For a model without `_no_split_modules`: the class of the one nn.ModuleList that holds
+    config.num_hidden_layers modules of a single class (the decoder layers). Prints what it chose."""
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    module_lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    stacks = [(name, m) for name, m in module_lists
+              if len(m) == num_layers and len({type(layer) for layer in m}) == 1]
+    if len(stacks) == 1:
+        name, layers = stacks[0]
+        layer_class = type(layers[0])
+        print_rank0(f"wrapping: {type(model).__name__} declares no _no_split_modules; wrapping its decoder layers, "
+                    f"{name}: {len(layers)} x {layer_class.__name__} (fsdp_transformer_layer_cls_to_wrap chooses "
+                    f"another class)")
+        return layer_class
+    candidates = sorted({type(layer).__name__ for _, m in module_lists for layer in m})
+    candidates = candidates or sorted({type(m).__name__ for m in model.modules()})
+    raise ConfigError(
+        f"{type(model).__name__} declares no _no_split_modules and its decoder layers were not found (no single "
+        f"nn.ModuleList of config.num_hidden_layers={num_layers} modules of one class): set "
+        f"fsdp_transformer_layer_cls_to_wrap to its decoder layer class, e.g. one of: {', '.join(candidates)}"
+    )
 
 
 def tied_parameter_ids(model: nn.Module) -> set[int]:

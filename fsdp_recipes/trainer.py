@@ -60,21 +60,32 @@ def step_token_counts(micro_batches: list[dict], device: torch.device) -> tuple[
 
 
 def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: float, world_size: int,
-                     device: torch.device, sync_every_micro_batch: bool = True) -> torch.Tensor:
-    """Accumulate the gradient of (sum of per-token losses of the step) / label_tokens; return this rank's sum.
+                     device: torch.device, sync_every_micro_batch: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Accumulate the gradient of (sum of per-token losses of the step) / label_tokens; return this rank's sum,
+    and this rank's sum of the micro-batches' router load-balancing losses (None unless the model returns one).
 
     label_tokens counts the whole step on all ranks. FSDP averages gradients over ranks, so each rank scales by
     world_size to turn that average back into the global sum. Without sync_every_micro_batch, gradients are
     reduced after the last micro-batch only.
     """
     loss_sum = torch.zeros((), device=device)
+    aux_loss_sum = None
     for i, mb in enumerate(micro_batches):
         mb = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
         with gradient_sync(model, sync_every_micro_batch or i == len(micro_batches) - 1):
-            mb_loss_sum = token_loss_sum(model(**model_inputs(mb)).logits, mb["labels"])
-            (mb_loss_sum * (world_size / label_tokens)).backward()
+            outputs = model(**model_inputs(mb))
+            mb_loss_sum = token_loss_sum(outputs.logits, mb["labels"])
+            loss = mb_loss_sum * (world_size / label_tokens)
+            aux_loss = getattr(outputs, "aux_loss", None)  # MoE models with output_router_logits
+            if aux_loss is not None:
+                # A mean over the micro-batch's tokens: weighted as HF's Trainer does, coef x its mean over the
+                # step's micro-batches and (through FSDP's gradient average) ranks.
+                loss = loss + model.config.router_aux_loss_coef * aux_loss / len(micro_batches)
+                aux_loss_sum = aux_loss.detach() if aux_loss_sum is None else aux_loss_sum + aux_loss.detach()
+            loss.backward()
         loss_sum += mb_loss_sum.detach()
-    return loss_sum
+    return loss_sum, aux_loss_sum
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -145,8 +156,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         start = time.perf_counter()
         micro_batches = next(batches)
         label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
-        loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
-                                    sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
+        loss_sum, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
+                                                  sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
 
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
         learning_rate = scheduler.get_last_lr()[0]
@@ -164,6 +175,10 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             memory = peak_memory_across_ranks(env.device)
             interval["seconds"] += time.perf_counter() - start
             tokens_per_second = interval["input_tokens"] / interval["seconds"]
+            router = {}
+            if aux_loss_sum is not None:  # the mean over the step's micro-batches and ranks, before the coefficient
+                dist.all_reduce(aux_loss_sum)
+                router = {"router_aux_loss": aux_loss_sum.item() / (len(micro_batches) * env.world_size)}
             metrics = {
                 "step": step,
                 "loss": loss,
@@ -176,6 +191,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                 "tokens_per_second_per_device": tokens_per_second / env.world_size,
                 "step_time": interval["seconds"] / interval["steps"],
                 **memory,
+                **router,
             }
             if architecture is not None:
                 mean_row_length = interval["token_slots"] / interval["rows"]

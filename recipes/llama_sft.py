@@ -1,9 +1,13 @@
-"""Supervised fine-tuning of a Llama model with FSDP, exported as a Hugging Face folder.
+"""Supervised fine-tuning of Llama 3.x with FSDP, exported as a Hugging Face folder.
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/llama_sft.py \
         --config recipes/configs/llama_sft.yaml --model_name_or_path meta-llama/Llama-3.2-1B --dataset_name <data>
 
-Copying this recipe for another model: change the defaults in its YAML config; the sections below stay as they are.
+Llama 3.2 1B and 3B tie the input embedding and lm_head: the tied weight lives in the root FSDP group and is
+exported once. Llama 3.1 8B and 70B do not tie.
+
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
+family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
 """
 
 import os
@@ -16,6 +20,7 @@ from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, print_rank0
 from fsdp_recipes.export import save_hf_model
+from fsdp_recipes.families import check_model_type
 from fsdp_recipes.generation import log_sample_generations
 from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
@@ -24,9 +29,16 @@ from fsdp_recipes.progress import configure_progress_bars
 from fsdp_recipes.sharding import describe_plan
 from fsdp_recipes.trainer import train
 
+# ---- What this recipe holds of its own (the rest of the file is shared) ----
+# config.json's model_type values this recipe trains, each with the attention implementations that compute the
+# model exactly (None: any). The YAML config holds the rest: hub id, learning rate, sequence length.
+MODEL_TYPES = {"llama": None}
+# ---- Shared by every recipe (tests/test_recipes.py keeps it identical, so a fix reaches them all) ----
+
 
 def main():
     cfg = parse_config()
+    check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)
     check_wandb_credentials(cfg)  # a missing W&B API key stops the run now, not after loading the model
     with distributed() as env:

@@ -22,9 +22,10 @@ def readme_commands() -> list[str]:
 
 def test_readme_shows_the_commands_the_tests_run():
     # make demo: test_demo.py; make test: CI; accelerate launch: below; the converter: test_checkpoint.py; the
-    # memory planner: test_estimate.py; sbatch: test_launch.py (which also runs the recipe under torchrun and alone).
+    # memory planner: test_estimate.py; sbatch: test_launch.py (which also runs the recipe under torchrun and alone);
+    # make new-recipe: test_recipes.py.
     tested = ("make demo", "make test", "accelerate launch ", "python -m fsdp_recipes.convert ",
-              "python -m fsdp_recipes.estimate ", "sbatch ")
+              "python -m fsdp_recipes.estimate ", "sbatch ", "make new-recipe ")
     commands = readme_commands()
     assert commands[:2] == ["make demo", "make test"]
     assert [c for c in commands if not c.startswith(tested)] == []

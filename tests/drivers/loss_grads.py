@@ -51,7 +51,7 @@ with distributed() as env:
         """One process alone: token counts of this step only, no other rank."""
         model.zero_grad(set_to_none=True)
         label_tokens = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in batches)
-        loss = forward_backward(model, batches, label_tokens, world_size=1, device=env.device).item() / label_tokens
+        loss = forward_backward(model, batches, label_tokens, world_size=1, device=env.device)[0].item() / label_tokens
         return grads(model), loss, label_tokens
 
     def deviation(a, b):
@@ -82,7 +82,7 @@ with distributed() as env:
         batches = micro_batches(mine, k)
         sharded.zero_grad(set_to_none=True)
         label_tokens, _, _ = step_token_counts(batches, env.device)
-        loss_sum = forward_backward(sharded, batches, label_tokens, env.world_size, env.device)
+        loss_sum, _ = forward_backward(sharded, batches, label_tokens, env.world_size, env.device)
         torch.distributed.all_reduce(loss_sum)
         result[f"ranks_{env.world_size}_accumulation_{k}"] = deviation(grads(sharded), reference)
         result[f"ranks_{env.world_size}_accumulation_{k}_loss"] = abs(loss_sum.item() / label_tokens - ref_loss)

@@ -1,0 +1,32 @@
+"""What a recipe declares about its model family (MODEL_TYPES), checked before anything is loaded."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoConfig
+
+from .config import ConfigError, TrainConfig
+
+
+def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None], recipe: str) -> None:
+    """The model must be one of the recipe's model types, with an attention implementation that computes it exactly.
+
+    A recipe's YAML holds defaults for its family (e.g. Gemma 2's eager attention), so another family's model is
+    refused rather than trained with them. `model_types` maps config.json's model_type to the attention
+    implementations allowed for it (None: any).
+    """
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    recipe = os.path.basename(recipe)
+    if config.model_type not in model_types:
+        raise ConfigError(
+            f"{recipe} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a {config.model_type} "
+            f"model: run the recipe of its family (recipes/), or create one with "
+            f"`make new-recipe MODEL={config.model_type}`"
+        )
+    allowed = model_types[config.model_type]
+    if allowed is not None and cfg.attn_implementation not in allowed:
+        raise ConfigError(
+            f"{config.model_type} models need attn_implementation {' or '.join(allowed)} (see {recipe}), "
+            f"got {cfg.attn_implementation}"
+        )

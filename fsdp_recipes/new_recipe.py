@@ -1,0 +1,120 @@
+"""Create the recipe and YAML config of another model family from the reference recipe, recipes/llama_sft.py.
+
+    make new-recipe MODEL=olmo2          # or: python -m fsdp_recipes.new_recipe olmo2
+    python -m fsdp_recipes.new_recipe --sync
+
+MODEL is the model_type of the family's config.json. The new recipe takes every shared line from llama_sft.py, so
+it passes tests/test_recipes.py's check that the shared part of all recipes is identical. After a change to the
+shared part of llama_sft.py, --sync copies it into every other recipe (each keeps its docstring and own block).
+Standard library only: it runs before any environment is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE = os.path.join(REPO, "recipes", "llama_sft.py")
+OWN_START = "# ---- What this recipe holds of its own"
+OWN_END = "# ---- Shared by every recipe"
+
+RECIPE_DOC = '''"""Supervised fine-tuning of {model_type} models with FSDP, exported as a Hugging Face folder.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/{name}_sft.py \\
+        --config recipes/configs/{name}_sft.yaml --model_name_or_path <hub id> --dataset_name <data>
+
+Created by `make new-recipe MODEL={model_type}`. Set the hub id and the defaults in the YAML config; if the model
+needs particular attention implementations, list them in MODEL_TYPES below. The shared part stays as it is.
+"""
+'''
+
+OWN_BLOCK = '''{own_start} (the rest of the file is shared) ----
+# config.json's model_type values this recipe trains, each with the attention implementations that compute the
+# model exactly (None: any). The YAML config holds the rest: hub id, learning rate, sequence length.
+MODEL_TYPES = {{"{model_type}": None}}
+'''
+
+CONFIG = """# {model_type} supervised fine-tuning (created by `make new-recipe MODEL={model_type}`): set the hub id, then
+# pass --dataset_name on the command line.
+model_name_or_path: null
+dataset_name: null
+output_dir: outputs/{name}_sft
+max_seq_length: 2048
+num_train_epochs: 1
+per_device_train_batch_size: 4
+gradient_accumulation_steps: 4
+learning_rate: 1.0e-5
+lr_scheduler_type: cosine
+warmup_steps: 50
+weight_decay: 0.0
+max_grad_norm: 1.0
+logging_steps: 10
+seed: 42
+report_to: none
+"""
+
+
+def split_recipe(text: str) -> tuple[str, str, str, str]:
+    """(docstring, shared head, the recipe's own block, shared tail) of a recipe's source."""
+    doc_end = text.index('"""', text.index('"""') + 3) + 4
+    own_start, own_end = text.index(OWN_START), text.index(OWN_END)
+    return text[:doc_end], text[doc_end:own_start], text[own_start:own_end], text[own_end:]
+
+
+def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
+    """Write <recipes_dir>/<name>_sft.py and <recipes_dir>/configs/<name>_sft.yaml; return their paths."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", model_type):
+        raise SystemExit(f"error: MODEL must be a model_type as config.json spells it (e.g. olmo2), got {model_type!r}")
+    name = model_type
+    recipe = os.path.join(recipes_dir, f"{name}_sft.py")
+    config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
+    for path in (recipe, config):
+        if os.path.exists(path):
+            raise SystemExit(f"error: {path} already exists")
+    with open(REFERENCE) as f:
+        _, head, _, tail = split_recipe(f.read())
+    values = {"model_type": model_type, "name": name, "own_start": OWN_START}
+    os.makedirs(os.path.dirname(config), exist_ok=True)
+    with open(recipe, "w") as f:
+        f.write(RECIPE_DOC.format(**values) + head + OWN_BLOCK.format(**values) + tail)
+    with open(config, "w") as f:
+        f.write(CONFIG.format(**values))
+    return recipe, config
+
+
+def sync_recipes(recipes_dir: str) -> list[str]:
+    """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed."""
+    with open(REFERENCE) as f:
+        _, head, _, tail = split_recipe(f.read())
+    changed = []
+    for name in sorted(os.listdir(recipes_dir)):
+        path = os.path.join(recipes_dir, name)
+        if not name.endswith(".py") or os.path.samefile(path, REFERENCE):
+            continue
+        with open(path) as f:
+            text = f.read()
+        doc, _, own, _ = split_recipe(text)
+        if doc + head + own + tail != text:
+            with open(path, "w") as f:
+                f.write(doc + head + own + tail)
+            changed.append(path)
+    return changed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_type", nargs="?", help="config.json's model_type, e.g. olmo2")
+    parser.add_argument("--recipes_dir", default=os.path.join(REPO, "recipes"))
+    parser.add_argument("--sync", action="store_true", help="copy llama_sft.py's shared part into every recipe")
+    args = parser.parse_args()
+    if args.sync == bool(args.model_type):
+        parser.error("give a model_type, or --sync")
+    paths = sync_recipes(args.recipes_dir) if args.sync else new_recipe(args.model_type, args.recipes_dir)
+    for path in paths:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Supervised fine-tuning of Qwen3-MoE (mixture of experts) with FSDP, exported as a Hugging Face folder.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/qwen3_moe_sft.py \
+        --config recipes/configs/qwen3_moe_sft.yaml --model_name_or_path Qwen/Qwen3-30B-A3B --dataset_name <data>
+
+What is particular to a mixture of experts, and tested:
+- Wrapping: each decoder layer is one FSDP unit with its router and all its experts (the model's
+  _no_split_modules). transformers 5 stores a layer's experts as two 3-D parameters (mlp.experts.gate_up_proj and
+  down_proj, experts first), which FSDP2 shards along the expert dimension. Why not experts as units of their
+  own: they are 97% of a layer's parameters (Qwen3-30B-A3B: 604M of 623M) and a micro-batch routes tokens to
+  nearly all of them, so a separate unit gathers nearly the same bytes, in two collectives instead of one.
+- Router load-balancing loss: the YAML sets output_router_logits, so the model returns it and the trainer adds
+  router_aux_loss_coef x its mean over the step's micro-batches and ranks (as HF's Trainer does), logged as
+  router_aux_loss. Without it the router may send most tokens to a few experts.
+
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
+family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+"""
+
+import os
+
+from transformers import set_seed
+
+from fsdp_recipes.checkpoint import resolve_resume
+from fsdp_recipes.cli import run_main
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.data import build_datasets
+from fsdp_recipes.distributed import distributed, print_rank0
+from fsdp_recipes.export import save_hf_model
+from fsdp_recipes.families import check_model_type
+from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import describe_plan
+from fsdp_recipes.trainer import train
+
+# ---- What this recipe holds of its own (the rest of the file is shared) ----
+# config.json's model_type values this recipe trains, each with the attention implementations that compute the
+# model exactly (None: any). The YAML config holds the rest: hub id, learning rate, sequence length.
+MODEL_TYPES = {"qwen3_moe": None}
+# ---- Shared by every recipe (tests/test_recipes.py keeps it identical, so a fix reaches them all) ----
+
+
+def main():
+    cfg = parse_config()
+    check_model_type(cfg, MODEL_TYPES, __file__)
+    plan = resolve_plan(cfg)
+    with distributed() as env:
+        set_seed(cfg.seed)
+
+        # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
+        tokenizer = load_tokenizer(cfg)
+        # The eval split is only built and its size logged: no evaluation loop yet (README, "Not done yet").
+        train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
+
+        # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
+        model = load_sharded_model(cfg, plan, env.device)
+        print_rank0("sharding plan:\n" + describe_plan(model, plan))
+
+        # Resume: the checkpoint is checked against this model before anything is written.
+        resume_from = resolve_resume(cfg, model)
+
+        # Training.
+        logger = MetricsLogger(cfg, env.is_main, extra_config={"sharding_plan": vars(plan)})
+        train(cfg, env, model, tokenizer, train_dataset, logger, resume_from)
+        logger.close()
+
+        # Export: a folder that AutoModelForCausalLM.from_pretrained loads.
+        save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
+        print_rank0(f"saved {cfg.output_dir}/final")
+
+
+if __name__ == "__main__":
+    run_main(main)

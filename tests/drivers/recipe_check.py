@@ -1,0 +1,40 @@
+"""Run a recipe's own main(), and record what the sharded model holds just before it exports.
+
+    torchrun --nproc_per_node 2 tests/drivers/recipe_check.py <recipe.py> <out_dir> <recipe args...>
+
+The recipe runs unchanged; only its save_hf_model is wrapped to first write <out_dir>/sharded.pt (rank 0): every
+parameter gathered with DTensor.full_tensor() (independent of the exporter's state-dict gather), this rank's
+local shape of each parameter, and the sharded model's logits on fixed inputs.
+"""
+
+import importlib.util
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+recipe_path, out_dir = sys.argv[1], sys.argv[2]
+sys.argv = [recipe_path, *sys.argv[3:]]
+spec = importlib.util.spec_from_file_location("recipe", recipe_path)
+recipe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(recipe)
+export = recipe.save_hf_model
+
+
+def record_then_export(model, tokenizer, path, dtype, *args):
+    gathered = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
+    local_shapes = {name: tuple(param.to_local().shape) for name, param in model.named_parameters()}
+    inputs = torch.randint(5, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    model.train()
+    if dist.get_rank() == 0:
+        torch.save({"gathered": gathered, "local_shapes": local_shapes, "inputs": inputs, "logits": logits},
+                   os.path.join(out_dir, "sharded.pt"))
+    export(model, tokenizer, path, dtype, *args)
+
+
+recipe.save_hf_model = record_then_export
+recipe.run_main(recipe.main)

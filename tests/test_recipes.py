@@ -1,0 +1,281 @@
+"""Every recipe trains a tiny random model of its architecture with 2-process FSDP2, and exports a folder that
+reloads with the trained weights; the model-specific traps are checked with numbers; the recipes share every line
+but their own; a model type without a recipe gets one from `make new-recipe` and runs through the generic path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+from safetensors import safe_open
+from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
+                          LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+from conftest import REPO, read_metrics, run, torchrun
+from fsdp_recipes import demo
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.data import IGNORE_INDEX
+from fsdp_recipes.export import tied_parameter_names
+from fsdp_recipes.families import check_model_type
+from fsdp_recipes.model import load_model
+from fsdp_recipes.new_recipe import split_recipe, sync_recipes
+from fsdp_recipes.sharding import find_layer_classes
+from fsdp_recipes.trainer import forward_backward
+
+TOKENIZER = demo.build_tokenizer()
+TINY = dict(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+            bos_token_id=TOKENIZER.bos_token_id, eos_token_id=TOKENIZER.eos_token_id,
+            pad_token_id=TOKENIZER.pad_token_id)
+WINDOW = 8  # sliding window of the tiny models that have one: far shorter than the 40-token test inputs
+
+# family: (recipe, its YAML config, the tiny model's config, the decoder layer class, extra recipe arguments)
+FAMILIES = {
+    "llama": ("llama_sft", "llama_sft", LlamaConfig(**TINY, tie_word_embeddings=True), "LlamaDecoderLayer", []),
+    "mistral": ("mistral_sft", "mistral_sft", MistralConfig(**TINY, sliding_window=WINDOW), "MistralDecoderLayer",
+                []),
+    "qwen2": ("qwen2_sft", "qwen2_sft", Qwen2Config(**TINY, tie_word_embeddings=True), "Qwen2DecoderLayer", []),
+    "qwen3": ("qwen3_sft", "qwen3_sft", Qwen3Config(**TINY, tie_word_embeddings=True), "Qwen3DecoderLayer", []),
+    "gemma2": ("gemma_sft", "gemma2_sft", Gemma2Config(**TINY, sliding_window=WINDOW, query_pre_attn_scalar=16),
+               "Gemma2DecoderLayer", []),
+    # Rank-0 loading builds Gemma 3 on the meta device: its embedding scale is a buffer that must survive that.
+    "gemma3": ("gemma_sft", "gemma3_sft", Gemma3TextConfig(**TINY, sliding_window=WINDOW, query_pre_attn_scalar=16),
+               "Gemma3DecoderLayer", ["--fsdp_cpu_ram_efficient_loading", "true"]),
+    "phi3": ("phi3_sft", "phi3_sft", Phi3Config(**TINY), "Phi3DecoderLayer", []),
+    "qwen3_moe": ("qwen3_moe_sft", "qwen3_moe_sft",
+                  Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                  "Qwen3MoeDecoderLayer", []),
+}
+
+
+def write_model(path: Path, config) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    TOKENIZER.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("recipes") / "train.jsonl"
+    demo.write_jsonl(path, demo.make_split(seed=1, n_train=64, n_eval=0)[0])
+    return path
+
+
+def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data: Path, out: Path, *extra) -> dict:
+    """Train 8 steps with the recipe; check that the loss fell and that the exported folder reloads with logits
+    equal to the trained weights' and to the sharded model's. Returns what the driver recorded, and the run."""
+    proc = torchrun("tests/drivers/recipe_check.py", recipe, out, "--config", config_yaml,
+                    "--model_name_or_path", model_dir, "--dataset_name", data, "--output_dir", out / "run",
+                    "--max_steps", "8", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                    "--max_seq_length", "64",
+                    "--learning_rate", "3e-3", "--warmup_steps", "0", "--logging_steps", "1",
+                    "--mixed_precision", "no", "--save_dtype", "float32", "--fsdp_version", "2", *extra)
+    metrics = read_metrics(out / "run" / "metrics.jsonl")
+    losses = [m["loss"] for m in metrics]
+    assert len(losses) == 8 and losses[-1] < 0.9 * losses[0], losses
+
+    recorded = torch.load(out / "sharded.pt", weights_only=True)
+    inputs = recorded["inputs"]
+    final = out / "run" / "final"
+    # config.json does not record the attention implementation: reload with the recipe's (Gemma 2: eager).
+    attn = yaml.safe_load((REPO / config_yaml).read_text()).get("attn_implementation", "sdpa")
+    reloaded = AutoModelForCausalLM.from_pretrained(final, attn_implementation=attn).eval()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
+    missing, unexpected = reference.load_state_dict(recorded["gathered"], strict=False)
+    assert not unexpected and set(missing) <= tied_parameter_names(reference)
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn).eval()
+    with torch.no_grad():
+        logits = reloaded(inputs).logits
+        assert torch.equal(logits, reference(inputs).logits)
+        assert not torch.equal(logits, initial(inputs).logits)  # the weights did train
+    # The sharded model computes what the unsharded one does.
+    torch.testing.assert_close(recorded["logits"], logits, rtol=1e-5, atol=1e-5)
+    print(f"{recipe.name}: losses {losses[0]:.3f} -> {losses[-1]:.3f}, max |sharded - reloaded| logit deviation "
+          f"{(recorded['logits'] - logits).abs().max().item():.1e}")
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    if reloaded.config.tie_word_embeddings:
+        assert tied_parameter_names(reloaded) and not tied_parameter_names(reloaded) & stored  # written once
+        assert reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
+    return {"recorded": recorded, "reloaded": reloaded, "stdout": proc.stdout, "metrics": metrics}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
+    recipe, config_yaml, config, layer_class, extra = FAMILIES[family]
+    model_dir = write_model(tmp_path / "model", config)
+    result = train_and_check_export(REPO / "recipes" / f"{recipe}.py", f"recipes/configs/{config_yaml}.yaml",
+                                    model_dir, data, tmp_path, *extra)
+    assert f"wrapped: 2 x {layer_class}, then the root" in result["stdout"]
+    reloaded, inputs = result["reloaded"], result["recorded"]["inputs"]
+
+    if config.model_type in ("mistral", "gemma3_text"):
+        # Sliding window (both tiny layers): token 0 is out of reach of the last position, token 35 is not.
+        far, near = inputs.clone(), inputs.clone()
+        far[:, 0], near[:, 35] = 7, 7
+        with torch.no_grad():
+            logits, far_logits, near_logits = (reloaded(x).logits[:, -1] for x in (inputs, far, near))
+        torch.testing.assert_close(far_logits, logits, rtol=0, atol=1e-6)
+        assert (near_logits - logits).abs().max() > 1e-3
+    if config.model_type == "gemma2":
+        # Final-logit soft-capping: with weights scaled up, the logits stay within the cap, the uncapped ones do not.
+        with torch.no_grad():
+            reloaded.get_input_embeddings().weight.mul_(50)  # tied: also lm_head
+            capped = reloaded(inputs).logits
+            reloaded.config.final_logit_softcapping = None
+            uncapped = reloaded(inputs).logits
+        assert capped.abs().max() < 30 < uncapped.abs().max()
+    if config.model_type == "qwen3_moe":
+        # Each rank holds 2 of the 4 experts: the 3-D expert parameters are sharded along the expert dimension,
+        # inside their decoder layer's FSDP unit.
+        shapes = result["recorded"]["local_shapes"]
+        assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (2, 64, 64)
+        assert shapes["model.layers.0.mlp.experts.down_proj"] == (2, 64, 32)
+        # The router loss is computed and logged at every step (about top_k for a balanced router).
+        assert all(1.0 < m["router_aux_loss"] < 4.0 for m in result["metrics"])
+
+
+def test_router_aux_loss_is_weighted_as_hf_trainer_does():
+    """Two micro-batches with equal label counts: the gradient is that of the mean of HF's own per-micro-batch
+    loss (mean cross-entropy + coef x aux_loss), and differs without the router loss."""
+    config = Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            output_router_logits=True, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    ids = torch.randint(5, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+    micro_batches = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2]),
+                      "labels": ids[i:i + 2]} for i in (0, 2)]
+    label_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+
+    def grads():
+        result = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return result
+
+    _, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))
+    ours = grads()
+    hf_aux = 0.0
+    for mb in micro_batches:
+        outputs = model(**mb)
+        (outputs.loss / len(micro_batches)).backward()
+        hf_aux += outputs.aux_loss.item()
+    reference = grads()
+    for name in ours:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert aux_loss_sum.item() == pytest.approx(hf_aux, rel=1e-6)
+
+    model.config.output_router_logits = False
+    assert forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))[1] is None
+    router = "model.layers.0.mlp.gate.weight"
+    assert (grads()[router] - ours[router]).abs().max() > 1e-4
+
+
+def test_recipes_share_every_line_but_their_own():
+    """A fix to the shared part of llama_sft.py must reach every recipe (and `make new-recipe` copies it)."""
+    _, head, _, tail = split_recipe((REPO / "recipes" / "llama_sft.py").read_text())
+    recipes = sorted((REPO / "recipes").glob("*.py"))
+    assert {recipe for recipe, *_ in FAMILIES.values()} <= {p.stem for p in recipes}
+    for path in recipes:
+        text = path.read_text()
+        _, recipe_head, own, recipe_tail = split_recipe(text)
+        assert (recipe_head, recipe_tail) == (head, tail), (
+            f"{path.name}'s shared part differs from llama_sft.py's: `python -m fsdp_recipes.new_recipe --sync` "
+            "copies llama_sft.py's into every recipe")
+        assert "MODEL_TYPES = " in own and len(text.splitlines()) <= 150
+    for config_yaml in (REPO / "recipes" / "configs").glob("*.yaml"):  # only known keys, real hub ids
+        cfg = parse_config(["--config", str(config_yaml), "--dataset_name", "data.jsonl"])
+        assert "/" in cfg.model_name_or_path or config_yaml.name == "demo.yaml"
+
+
+def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
+    gemma2 = write_model(tmp_path / "gemma2", FAMILIES["gemma2"][2])
+    args = ["--config", "recipes/configs/gemma2_sft.yaml", "--model_name_or_path", str(gemma2),
+            "--dataset_name", "data.jsonl"]
+    check_model_type(parse_config(args), {"gemma2": ("eager",)}, "gemma_sft.py")
+    with pytest.raises(ConfigError, match="gemma2 models need attn_implementation eager .* got sdpa"):
+        check_model_type(parse_config(args + ["--attn_implementation", "sdpa"]),
+                         {"gemma2": ("eager",)}, "gemma_sft.py")
+    with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: .*"
+                                          r"`make new-recipe MODEL=gemma2`"):
+        check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
+class CustomModel(nn.Module):
+    def __init__(self, num_hidden_layers: int):
+        super().__init__()
+        self.config = type("Config", (), {"num_hidden_layers": num_hidden_layers})()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+
+def test_decoder_layers_found_without_no_split_modules(capsys):
+    assert find_layer_classes(CustomModel(num_hidden_layers=3), None) == (Block,)
+    assert "wrapping its decoder layers, blocks: 3 x Block" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="no single nn.ModuleList of config.num_hidden_layers=2 .* set "
+                                          "fsdp_transformer_layer_cls_to_wrap to its decoder layer class, e.g. "
+                                          "one of: Block"):
+        find_layer_classes(CustomModel(num_hidden_layers=2), None)
+    assert find_layer_classes(CustomModel(num_hidden_layers=2), ["Block"]) == (Block,)
+
+
+def test_new_recipe_runs_a_family_without_recipe_through_the_generic_path(data, tmp_path):
+    """BioGPT: no recipe and no _no_split_modules. `make new-recipe` writes its recipe, which finds the decoder
+    layers, trains and exports."""
+    run(["make", "new-recipe", "MODEL=biogpt", f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
+    recipe = tmp_path / "recipes" / "biogpt_sft.py"
+    shared = split_recipe(recipe.read_text())[1::2]  # (head, tail)
+    assert shared == split_recipe((REPO / "recipes" / "llama_sft.py").read_text())[1::2]
+    run(["make", "new-recipe", "MODEL=biogpt", f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"],
+        expect_rc=2)
+    config = BioGptConfig(**{k: v for k, v in TINY.items() if k not in ("num_key_value_heads", "head_dim")})
+    model_dir = write_model(tmp_path / "model", config)
+    config_yaml = tmp_path / "recipes" / "configs" / "biogpt_sft.yaml"
+    result = train_and_check_export(recipe, str(config_yaml), model_dir, data, tmp_path)
+    assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
+            "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
+    assert "wrapped: 2 x BioGptDecoderLayer, then the root" in result["stdout"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_packed_sequences_keep_the_sliding_window(family):
+    """Two packed examples (position_ids restarting at 0, no attention_mask, as the trainer passes them): the
+    logits equal those of each example alone, so the mask is both block-diagonal and sliding."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[family][2], dtype=torch.float32).eval()
+    model.config.use_cache = False  # as load_model does: with a cache, transformers ignores position_ids for masks
+    first, second = (torch.randint(5, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
+                     for n in (20, 24))
+    packed = torch.cat([first, second], dim=1)
+    position_ids = torch.cat([torch.arange(20), torch.arange(24)])[None]
+    with torch.no_grad():
+        logits = model(input_ids=packed, position_ids=position_ids).logits
+        alone = torch.cat([model(input_ids=first).logits, model(input_ids=second).logits], dim=1)
+    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
+    llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
+    cfg = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "data.jsonl",
+                        "--output_router_logits", "true"])
+    with pytest.raises(ConfigError, match="output_router_logits is set, but llama models have no such setting"):
+        load_model(cfg)
+
+
+def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
+    gemma = (REPO / "recipes" / "gemma_sft.py").read_text()
+    (tmp_path / "gemma_sft.py").write_text(gemma.replace("    plan = resolve_plan(cfg)\n", ""))  # an outdated copy
+    (tmp_path / "llama_sft.py").symlink_to(REPO / "recipes" / "llama_sft.py")  # the reference is not rewritten
+    assert sync_recipes(str(tmp_path)) == [str(tmp_path / "gemma_sft.py")]
+    assert (tmp_path / "gemma_sft.py").read_text() == gemma
+    assert sync_recipes(str(tmp_path)) == []
