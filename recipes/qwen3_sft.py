@@ -22,9 +22,11 @@ from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import distributed, print_rank0
 from fsdp_recipes.export import save_hf_model
 from fsdp_recipes.families import check_model_type
-from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.generation import log_sample_generations
+from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.progress import configure_progress_bars
 from fsdp_recipes.sharding import describe_plan
 from fsdp_recipes.trainer import train
 
@@ -39,29 +41,33 @@ def main():
     cfg = parse_config()
     check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)
+    check_wandb_credentials(cfg)  # a missing W&B API key stops the run now, not after loading the model
     with distributed() as env:
         set_seed(cfg.seed)
+        configure_progress_bars(env.is_main)
 
         # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
         tokenizer = load_tokenizer(cfg)
-        # The eval split is only built and its size logged: no evaluation loop yet (README, "Not done yet").
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
 
         # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
         model = load_sharded_model(cfg, plan, env.device)
-        print_rank0("sharding plan:\n" + describe_plan(model, plan))
+        plan_text = describe_plan(model, plan)
+        print_rank0("sharding plan:\n" + plan_text)
 
         # Resume: the checkpoint is checked against this model before anything is written.
         resume_from = resolve_resume(cfg, model)
 
-        # Training.
-        logger = MetricsLogger(cfg, env.is_main, extra_config={"sharding_plan": vars(plan)})
-        train(cfg, env, model, tokenizer, train_dataset, logger, resume_from)
-        logger.close()
+        # Training, with evaluation on the held-out split; a resumed run continues its W&B run.
+        logger = MetricsLogger(cfg, env.is_main, {"sharding_plan": {**vars(plan), "description": plan_text}},
+                               resume_from)
+        train(cfg, env, model, tokenizer, train_dataset, logger, resume_from, eval_dataset)
 
-        # Export: a folder that AutoModelForCausalLM.from_pretrained loads.
+        # Export: a folder that AutoModelForCausalLM.from_pretrained loads; then sample answers from it, if asked.
         save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
         print_rank0(f"saved {cfg.output_dir}/final")
+        log_sample_generations(cfg, os.path.join(cfg.output_dir, "final"), env.device, logger)
+        logger.close()
 
 
 if __name__ == "__main__":
