@@ -16,7 +16,12 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     refused rather than trained with them. `model_types` maps config.json's model_type to the attention
     implementations allowed for it (None: any).
     """
-    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
+        raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
+    try:
+        config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:  # transformers' message names the path or hub id and what is missing there
+        raise ConfigError(f"model_name_or_path: {e}") from e
     recipe = os.path.basename(recipe)
     if config.model_type not in model_types:
         raise ConfigError(

@@ -38,9 +38,9 @@ MODEL_TYPES = {"llama": None}
 
 def main():
     cfg = parse_config()
+    check_wandb_credentials(cfg)  # a missing W&B API key stops the run now, not after loading the model
     check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)
-    check_wandb_credentials(cfg)  # a missing W&B API key stops the run now, not after loading the model
     with distributed() as env:
         set_seed(cfg.seed)
         configure_progress_bars(env.is_main)

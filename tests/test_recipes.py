@@ -204,6 +204,10 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: .*"
                                           r"`make new-recipe MODEL=gemma2`"):
         check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
+    missing = ["--config", "recipes/configs/gemma2_sft.yaml", "--model_name_or_path", str(tmp_path / "none"),
+               "--dataset_name", "data.jsonl"]
+    with pytest.raises(ConfigError, match=f"model_name_or_path {tmp_path}/none: no such folder"):
+        check_model_type(parse_config(missing), {"gemma2": ("eager",)}, "gemma_sft.py")
 
 
 class Block(nn.Module):
