@@ -4,9 +4,10 @@ packed and padded, each as a ratio to a plain single-process PyTorch loop on the
     python bench/train_throughput.py --out /tmp/throughput.json
 
 The model is a randomly initialised Llama with a real-sized vocabulary (32,000; 320 hidden, 4 layers, untied:
-25.4M parameters, most of them in the embedding and the output layer, as in a small real model). The data is instruction-like and tokenizer-free: random token ids, prompt and completion
-lengths drawn from log-normal distributions (loss on the completion only), padded per micro-batch or packed into
-rows of `--max_seq_length` by the project's own `collate` and `pack_examples`. Every variant trains on the same
+25.4M parameters). The data is instruction-like and tokenizer-free: random token ids, prompt and completion
+lengths drawn from log-normal distributions (medians 40 and 50 tokens, long tails; loss on the completion only),
+padded per micro-batch of 4 examples or packed into rows of 512 tokens, one per micro-batch (similar token slots
+per micro-batch), by the project's own `collate` and `pack_examples`. Every variant trains on the same
 optimizer steps: each step is `--micro_batches` micro-batches, split over the ranks (2 processes: half each, as
 gradient accumulation; 1 process: all of them). "Same total cores": 1 process runs 2 threads, 2 processes 1 each.
 

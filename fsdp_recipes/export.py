@@ -68,18 +68,22 @@ def write_hf_weights(
         with open(os.path.join(out_dir, filename), "wb") as f:
             f.write(_safetensors_header({name: shapes[name] for name in names}, dtype))
             for name in names:
-                tensor = load_tensor(name).contiguous()
-                if tensor.shape != shapes[name]:
-                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
-                # Cast and written a slice at a time, so that no cast copy of the whole tensor is held; a flat uint8
-                # view (also of a 0-d tensor) exposes the bytes to write() without a copy.
-                for piece in tensor.reshape(-1).split(WRITE_CHUNK_ELEMENTS):
-                    f.write(piece.to(dtype).view(torch.uint8).numpy())
-                del tensor  # freed before the next load: otherwise two tensors are held at once
+                # In a function of its own: no variable of this loop keeps the tensor (or a view of it) alive while
+                # the next one loads.
+                _append_tensor(f, name, load_tensor(name), shapes[name], dtype)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _append_tensor(f, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    """Append `tensor`'s bytes in `dtype`, cast a slice at a time so that no cast copy of the whole tensor is held."""
+    if tensor.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    # A flat uint8 view (also of a 0-d tensor) exposes the bytes to write() without a copy.
+    for piece in tensor.contiguous().reshape(-1).split(WRITE_CHUNK_ELEMENTS):
+        f.write(piece.to(dtype).view(torch.uint8).numpy())
 
 
 def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> bytes:
