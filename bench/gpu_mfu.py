@@ -1,4 +1,4 @@
-"""Tokens per second, MFU and peak memory of the recipe's training step on one GPU (about 6 minutes on an H100/H200).
+"""Tokens per second, MFU and peak memory of the recipe's training step on one GPU, within 8 minutes on an H100/H200.
 
     python bench/gpu_mfu.py --out gpu_mfu.json
 
