@@ -3,7 +3,7 @@ the conversion of the sharded checkpoint to a Hugging Face folder.
 
     python bench/checkpoint_bench.py --work_dir /tmp/checkpoint_bench [--num_layers 1,5,15,34]
 
-Llamas of 1024 hidden and a 32k vocabulary (untied) with 1, 5, 15 and 34 layers hold 0.31, 0.52, 1.03 and 2.06 GB
+Llamas of 1024 hidden and a 32k vocabulary (untied) with 1, 5, 15 and 34 layers hold 0.31, 0.52, 1.03 and 2.01 GB
 of fp32 weights. Each size runs in 2 fresh processes (FSDP2, gloo): the model is sharded, and one AdamW step on zero
 gradients fills the optimizer state (twice the model), so the checkpoints have their real size. Each phase resets
 the kernel's peak-RSS counter of both ranks (/proc/self/clear_refs) and reports the largest peak of the two, and
