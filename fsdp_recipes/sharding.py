@@ -175,10 +175,10 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         f"precision: {precision}",
         f"offload: {'parameters, gradients and optimizer state on CPU' if plan.offload_params else 'none'}",
         f"activation checkpointing: {'each decoder layer' if plan.activation_checkpointing else 'off'}",
-        f"torch.compile: {'each decoder layer' if plan.torch_compile else 'off'}",
         f"loading: {'rank 0 reads the weights, broadcast while sharding' if plan.cpu_ram_efficient_loading else 'every rank reads the weights'}",
         f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
+    lines += ["torch.compile: each decoder layer"] if plan.torch_compile else []
     lines += [f"note: {o}" for o in plan.overrides]
     return "\n".join("  " + line for line in lines)
 
