@@ -151,6 +151,17 @@ class TrainConfig:
                           "text after the BOS token."},
     )
 
+    # Speed (see README, "Performance").
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer (after activation checkpointing, before sharding). "
+                          "FSDP2 only."},
+    )
+    dataloader_num_workers: int = field(
+        default=0,
+        metadata={"help": "Worker processes per rank that collate batches ahead of the step; 0: in the main process."},
+    )
+
     # Logging and saving.
     logging_steps: int = field(default=1, metadata={"help": "Log every N optimizer steps."})
     save_steps: int = field(
@@ -197,6 +208,8 @@ class TrainConfig:
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
         if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
             raise ConfigError(f"dp_replicate_size must be at least 1, got {self.dp_replicate_size}")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"dataloader_num_workers must be 0 or more, got {self.dataloader_num_workers}")
         if self.save_steps < 0:
             raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

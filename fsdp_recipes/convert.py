@@ -10,9 +10,13 @@ largest tensor (the tensor and the copy dcp.load reads it from), not one output 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import io
 import json
 import os
 import shutil
+import struct
+import zipfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,11 +44,17 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
 
+    chunks: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        chunks.setdefault(index.fqn, []).append((index.offset, info))
+
     def load_tensor(name: str) -> torch.Tensor:
-        # One dcp.load per tensor: it reads only that tensor's chunks, so memory holds one tensor (and its read copy).
-        part = {name: torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)}
-        dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
-        return part[name]
+        tensor = torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)
+        if not all(read_chunk_into(tensor, offset, info, model_dir) for offset, info in chunks[name]):
+            # A layout read_chunk_into does not handle: dcp.load reads this tensor alone (and holds a second copy).
+            part = {name: tensor}
+            dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
+        return tensor
 
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -60,6 +70,77 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     replace_dir(tmp, out_dir)
 
 
+def read_chunk_into(tensor: torch.Tensor, offset: torch.Size, info, model_dir: str) -> bool:
+    """Read one stored chunk of `tensor` (a slice along dim 0, starting at `offset`) straight into its bytes.
+
+    DCP stores each chunk as a torch.save zip archive at `info.offset` of a data file; the chunk's storage is one
+    uncompressed record in it. Reading that record into the destination directly, without unpickling anything,
+    keeps one copy of the tensor in memory instead of two. Returns False (nothing read) for any other layout.
+    """
+    if getattr(info, "transform_descriptors", None) or any(offset[1:]):
+        return False
+    with open(os.path.join(model_dir, info.relative_path), "rb") as f:
+        try:
+            records = zipfile.ZipFile(_FileSlice(f, info.offset, info.length)).infolist()
+        except zipfile.BadZipFile:
+            return False
+        storage = [r for r in records if "/data/" in r.filename]
+        rows = tensor.shape[0] if tensor.dim() else 1
+        destination = tensor.reshape(rows, -1)[offset[0] if tensor.dim() else 0:]
+        if len(storage) != 1 or storage[0].compress_type != zipfile.ZIP_STORED:
+            return False
+        record = storage[0]
+        row_bytes = destination[0].numel() * tensor.element_size() if destination.numel() else 0
+        if not row_bytes or record.file_size % row_bytes or record.file_size // row_bytes > len(destination):
+            return False
+        # The record's data follows its 30-byte local header, file name and extra field.
+        f.seek(info.offset + record.header_offset)
+        header = f.read(30)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        f.seek(info.offset + record.header_offset + 30 + name_length + extra_length)
+        target = destination[:record.file_size // row_bytes]
+        return f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) == record.file_size
+
+
+class _FileSlice(io.RawIOBase):
+    """The bytes [start, start + length) of an open file, as a seekable file of their own (for zipfile)."""
+
+    def __init__(self, file, start: int, length: int):
+        self.file, self.start, self.length, self.position = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + position, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        size = min(len(buffer), self.length - self.position)
+        self.file.seek(self.start + self.position)
+        read = self.file.readinto(memoryview(buffer)[:size])
+        self.position += read
+        return read
+
+
+def keep_tensors_in_their_own_mappings() -> None:
+    """glibc raises its mmap threshold after each large free; tensors under the raised threshold then come from the
+    heap, which keeps their memory after they are freed (tens of MB here). A fixed 1 MB threshold gives every
+    tensor above it a mapping of its own, returned to the system when the tensor is freed. Not glibc: nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a sharded checkpoint-<step> folder")
@@ -67,6 +148,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the written weights")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
     args = parser.parse_args()
+    keep_tensors_in_their_own_mappings()
     convert(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size)
     print(f"wrote {args.out_dir}")
 

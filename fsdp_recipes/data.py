@@ -5,6 +5,7 @@ Sources and splits live in `data_sources`, formats and loss masks in `data_forma
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -203,12 +204,18 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
     # Flash attention finds example boundaries in position_ids only in a batch of one row (transformers'
     # _is_packed_sequence), so there packed rows become one row; sdpa and eager handle any batch size.
     flatten = cfg.packing and "flash" in cfg.attn_implementation
+    # Workers collate the next batches while the step computes; pinned batches let the copy to the GPU run
+    # asynchronously (forward_backward's non_blocking copy). The sampler stays in this process, so set_epoch
+    # reaches it even with persistent workers.
     return DataLoader(
         dataset.with_format(None),
         batch_size=cfg.per_device_train_batch_size,
         sampler=sampler,
-        collate_fn=lambda examples: collate(examples, tokenizer.pad_token_id, flatten),
+        collate_fn=functools.partial(collate, pad_token_id=tokenizer.pad_token_id, flatten=flatten),
         drop_last=True,
+        num_workers=cfg.dataloader_num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=cfg.dataloader_num_workers > 0,
     )
 
 
@@ -227,7 +234,8 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: in
         if skip:
             # Drop the first batches' indices only; the sampler order is that of set_epoch(epoch).
             batches = list(loader.batch_sampler)[skip * accumulation:]
-            epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn)
+            epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn,
+                                      num_workers=loader.num_workers, pin_memory=loader.pin_memory)
             skip = 0
         step: list[dict] = []
         for batch in epoch_loader:

@@ -39,6 +39,8 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
     return tied
 
 
+WRITE_CHUNK_ELEMENTS = 1 << 20  # elements cast and written at a time: 4 MB of fp32
+
 # safetensors' names for the dtypes a folder can be written in.
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -53,7 +55,7 @@ def write_hf_weights(
     """Write the tensors named in `shapes`, cast to `dtype`, as safetensors files of at most `max_shard_size` each.
 
     Each file's header is planned from the shapes alone, then `load_tensor(name)` is called once per tensor and its
-    bytes are appended to the open file: only one tensor (and its cast) is held at a time.
+    bytes are appended to the open file, cast a slice at a time: only one tensor (and a 4 MB cast slice) is held.
     """
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"cannot write {dtype} weights: use one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
@@ -66,16 +68,22 @@ def write_hf_weights(
         with open(os.path.join(out_dir, filename), "wb") as f:
             f.write(_safetensors_header({name: shapes[name] for name in names}, dtype))
             for name in names:
-                tensor = load_tensor(name).to(dtype).contiguous()
-                if tensor.shape != shapes[name]:
-                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
-                # A flat uint8 view (also of a 0-d tensor) exposes the bytes to write() without a copy.
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy())
-                del tensor  # freed before the next load: otherwise two tensors are held at once
+                # In a function of its own: no variable of this loop keeps the tensor (or a view of it) alive while
+                # the next one loads.
+                _append_tensor(f, name, load_tensor(name), shapes[name], dtype)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
+
+
+def _append_tensor(f, name: str, tensor: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    """Append `tensor`'s bytes in `dtype`, cast a slice at a time so that no cast copy of the whole tensor is held."""
+    if tensor.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    # A flat uint8 view (also of a 0-d tensor) exposes the bytes to write() without a copy.
+    for piece in tensor.contiguous().reshape(-1).split(WRITE_CHUNK_ELEMENTS):
+        f.write(piece.to(dtype).view(torch.uint8).numpy())
 
 
 def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> bytes:

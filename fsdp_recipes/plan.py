@@ -33,6 +33,7 @@ class ShardingPlan:
     cpu_ram_efficient_loading: bool
     mixed_precision: str  # "bf16", "no" or "pure_bf16"
     backward_prefetch: Optional[str]  # FSDP1 only; None: torch's default (BACKWARD_PRE)
+    torch_compile: bool = False  # the recipe config's torch_compile: compile each decoder layer
     overrides: list[str] = field(default_factory=list)  # recipe settings that replaced accelerate's, printed at start
     # Filled by shard_model: what was wrapped, and on which mesh.
     wrapped: str = ""
@@ -172,5 +173,6 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                                        env(_env_bool, "FSDP_CPU_RAM_EFFICIENT_LOADING"), False),
         mixed_precision=precision,
         backward_prefetch=prefetch,
+        torch_compile=cfg.torch_compile,
         overrides=overrides,
     )

@@ -108,6 +108,8 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         # Before sharding, so that FSDP's hooks sit outside the recomputed region; checkpoint_wrapper's default
         # is the non-reentrant implementation, and its state-dict hooks strip the wrapper from the keys.
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_classes))
+    if plan.torch_compile:
+        compile_layers(model, layer_classes, plan)
     mesh = build_mesh(plan, device)
     if plan.fsdp_version == 1:
         layers = [m for m in model.modules() if isinstance(m, layer_classes)]
@@ -128,6 +130,21 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
     fsdp2.shard(model, units, plan, mesh)
     return model
+
+
+def compile_layers(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan) -> None:
+    """torch.compile each decoder layer in place.
+
+    After activation checkpointing: the layer inside the checkpoint wrapper is compiled (dynamo does not trace
+    torch.distributed's wrapper itself), and the recomputation in backward runs the compiled layer again. Before
+    sharding, so that FSDP2's hooks on the layer (which dynamo skips) run around the compiled code. `Module.compile`
+    compiles in place: module names, and so state-dict keys, are unchanged.
+    """
+    if plan.fsdp_version == 1:
+        raise ConfigError("torch_compile needs fsdp_version 2: FSDP1 wraps the layers in flat parameters that "
+                          "torch.compile does not trace per layer; set fsdp_version 2 or torch_compile false")
+    for layer in [m for m in model.modules() if isinstance(m, layer_classes)]:
+        layer.compile()
 
 
 def local_numel(tensor: torch.Tensor) -> int:
@@ -182,6 +199,7 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         f"loading: {'rank 0 reads the weights, broadcast while sharding' if plan.cpu_ram_efficient_loading else 'every rank reads the weights'}",
         f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
+    lines += ["torch.compile: each decoder layer"] if plan.torch_compile else []
     lines += [f"note: {o}" for o in plan.overrides]
     return "\n".join("  " + line for line in lines)
 

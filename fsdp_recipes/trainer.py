@@ -25,7 +25,11 @@ from .sharding import gradient_sync, original_ndims
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; biases and norm weights (the 1-D parameters) get no weight decay."""
+    """AdamW; biases and norm weights (the 1-D parameters) get no weight decay.
+
+    The fused implementation (one kernel per step for all parameters, DTensor shards included) on CUDA and CPU;
+    the foreach one (a few kernels per parameter group) on any other device.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     ndims = original_ndims(model)
     groups = [
@@ -34,7 +38,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     ]
     # torch's set_optimizer_state_dict gives an empty group the hyperparameters of another group, which then has none.
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    fused = all(p.device.type in ("cuda", "cpu") for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                             fused=fused, foreach=None if fused else True)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
