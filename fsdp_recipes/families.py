@@ -9,12 +9,12 @@ from transformers import AutoConfig
 from .config import ConfigError, TrainConfig
 
 
-def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None], recipe: str) -> None:
+def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:
     """The model must be one of the recipe's model types, with an attention implementation that computes it exactly.
 
     A recipe's YAML holds defaults for its family (e.g. Gemma 2's eager attention), so another family's model is
     refused rather than trained with them. `model_types` maps config.json's model_type to the attention
-    implementations allowed for it (None: any).
+    implementations allowed for it (None: any); `model_types` None (the generic recipe) takes every model type.
     """
     if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
         raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
@@ -23,10 +23,12 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     except OSError as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(f"model_name_or_path: {e}") from e
     recipe = os.path.basename(recipe)
+    if model_types is None:
+        return
     if config.model_type not in model_types:
         raise ConfigError(
             f"{recipe} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a {config.model_type} "
-            f"model: run the recipe of its family (recipes/), or create one with "
+            f"model: run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
             f"`make new-recipe MODEL={config.model_type}`"
         )
     allowed = model_types[config.model_type]

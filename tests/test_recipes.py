@@ -189,8 +189,11 @@ def test_recipes_share_every_line_but_their_own():
             "copies llama_sft.py's into every recipe")
         assert "MODEL_TYPES = " in own and len(text.splitlines()) <= 150
     for config_yaml in (REPO / "recipes" / "configs").glob("*.yaml"):  # only known keys, real hub ids
+        if config_yaml.name == "sft.yaml":  # the generic recipe's: the model comes from the command line
+            continue
         cfg = parse_config(["--config", str(config_yaml), "--dataset_name", "data.jsonl"])
         assert "/" in cfg.model_name_or_path or config_yaml.name == "demo.yaml"
+    parse_config(["--config", "recipes/configs/sft.yaml", "--model_name_or_path", "m", "--dataset_name", "d"])
 
 
 def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
@@ -233,9 +236,9 @@ def test_decoder_layers_found_without_no_split_modules(capsys):
     assert find_layer_classes(CustomModel(num_hidden_layers=2), ["Block"]) == (Block,)
 
 
-def test_new_recipe_runs_a_family_without_recipe_through_the_generic_path(data, tmp_path):
-    """BioGPT: no recipe and no _no_split_modules. `make new-recipe` writes its recipe, which finds the decoder
-    layers, trains and exports."""
+def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_recipe(data, tmp_path):
+    """BioGPT: no recipe and no _no_split_modules. The generic recipe finds its decoder layers, trains and exports
+    it; `make new-recipe` writes a recipe of its own with the shared part."""
     run(["make", "new-recipe", "MODEL=biogpt", f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
     recipe = tmp_path / "recipes" / "biogpt_sft.py"
     shared = split_recipe(recipe.read_text())[1::2]  # (head, tail)
@@ -244,8 +247,11 @@ def test_new_recipe_runs_a_family_without_recipe_through_the_generic_path(data, 
         expect_rc=2)
     config = BioGptConfig(**{k: v for k, v in TINY.items() if k not in ("num_key_value_heads", "head_dim")})
     model_dir = write_model(tmp_path / "model", config)
-    config_yaml = tmp_path / "recipes" / "configs" / "biogpt_sft.yaml"
-    result = train_and_check_export(recipe, str(config_yaml), model_dir, data, tmp_path)
+    generated = parse_config(["--config", str(tmp_path / "recipes" / "configs" / "biogpt_sft.yaml"),
+                              "--model_name_or_path", str(model_dir), "--dataset_name", str(data)])
+    check_model_type(generated, {"biogpt": None}, str(recipe))
+    assert "MODEL_TYPES = {\"biogpt\": None}" in split_recipe(recipe.read_text())[2]
+    result = train_and_check_export(REPO / "recipes" / "sft.py", "recipes/configs/sft.yaml", model_dir, data, tmp_path)
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
     assert "wrapped: 2 x BioGptDecoderLayer, then the root" in result["stdout"]

@@ -45,7 +45,7 @@ with distributed() as env:
         losses = []
         for micro_batches in steps:
             label_tokens, _, _ = step_token_counts(micro_batches, env.device)
-            loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
+            loss_sum, _ = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
             clip_grad_norm(model, cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
