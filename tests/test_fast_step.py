@@ -1,5 +1,5 @@
-"""The fast training step: fused AdamW, torch.compile'd decoder layers and data-loader workers give the numbers of
-the plain step."""
+"""The fast training step: the recipe's AdamW, torch.compile'd decoder layers and data-loader workers give the
+numbers of the plain step."""
 
 import json
 
@@ -15,7 +15,7 @@ from fsdp_recipes.plan import ShardingPlan
 from fsdp_recipes.sharding import compile_layers
 
 
-def test_fused_adamw_and_compiled_layers_match_the_plain_step(tiny, tmp_path):
+def test_recipe_adamw_and_compiled_layers_match_the_plain_step(tiny, tmp_path):
     out = tmp_path / "fast_step.json"
     torchrun("tests/drivers/fast_step.py", out, "--model_name_or_path", tiny["model"])
     result = json.loads(out.read_text())
