@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from transformers import AutoModelForCausalLM
+
+from .flops import build_meta_model
 
 GIB = 2 ** 30
 
@@ -40,8 +41,7 @@ def flops_model(model: nn.Module, trust_remote_code: bool = False) -> nn.Module:
     training_flops_per_token needs; a copy built from the config does, whatever the engine.
     """
     config = (model.module if isinstance(model, FSDP) else model).config
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return build_meta_model(config, trust_remote_code=trust_remote_code)
 
 
 def mfu(tokens_per_second_per_device: float, flops_per_token: float, peak_flops: float) -> float:

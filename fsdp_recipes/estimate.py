@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from .cli import run_main
 from .config import ConfigError
+from .flops import build_meta_model
 from .plan import PRECISIONS
 from .sharding import MASTER_DTYPE, find_layer_classes
 
@@ -86,14 +87,6 @@ def load_config(model: str) -> PretrainedConfig:
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0]
         raise ConfigError(f"--model {model}: cannot read its config ({first_line})") from error
-
-
-def build_meta_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """The model with every tensor on the meta device: shapes and dtypes only, nothing allocated."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # a tied lm_head is the embedding, counted once by parameters()
-    return model
 
 
 def shard_rows(rows: int, shard_size: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name(); the first match wins.
 PEAK_BF16_FLOPS = [
@@ -23,6 +24,15 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
+                     trust_remote_code: bool = False) -> nn.Module:
+    """The model with every tensor on the meta device: shapes and dtypes only, nothing allocated or read."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # a tied lm_head is the embedding, counted once by parameters()
+    return model
 
 
 def active_matmul_params(model: nn.Module) -> float:
