@@ -117,8 +117,8 @@ def worker(args) -> None:
         if fewer_collectives:
             cfg.fsdp_reshard_after_forward, cfg.gradient_sync = False, "last_micro_batch"
         if engine == "plain":
-            # The reference a user would write: no FSDP, autocast for bf16, the recipe's AdamW (foreach on CPU).
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, foreach=True)
+            # The reference a user would write: no FSDP, autocast for bf16, the recipe's AdamW (fused).
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, fused=True)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
             def train_step(micro_batches):

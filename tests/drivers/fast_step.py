@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 tests/drivers/fast_step.py <out.json> --model_name_or_path <tiny model>
 
 Three FSDP2 copies of the same fp32 model train the same 3 optimizer steps (accumulation 2, each rank its own
-micro-batches): the recipe's AdamW (fused on CUDA, foreach on CPU), the same with torch.compile on each decoder layer, and a single-tensor
+micro-batches): the recipe's AdamW (fused), the same with torch.compile on each decoder layer, and a single-tensor
 (unfused, non-foreach) AdamW as the reference. Rank 0 writes their per-step losses and the largest deviation of the
 final weights and Adam moments from the reference to <out.json>.
 """
