@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .plan import ShardingPlan
+
+# Models sharded with reshard_after_forward=False: they hold each gathered layer from its forward to its backward.
+_NOT_RESHARDED_AFTER_FORWARD: weakref.WeakSet = weakref.WeakSet()
 
 
 def mixed_precision_policy(plan: ShardingPlan) -> MixedPrecisionPolicy:
@@ -49,3 +55,23 @@ def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: De
         fully_shard(unit, **kwargs)
     # The root group holds what no unit owns: embeddings, final norm and lm_head (tied or not, in one group).
     fully_shard(model, **kwargs)
+    if not plan.reshard_after_forward:
+        _NOT_RESHARDED_AFTER_FORWARD.add(model)
+
+
+@contextlib.contextmanager
+def no_sync(model: FSDPModule):
+    """One micro-batch whose gradients accumulate unreduced (full-size) on each rank, as FSDP1's `no_sync`.
+
+    Like FSDP1's with SHARD_GRAD_OP, a model not resharded after forward also keeps its layers gathered after
+    backward, for the next micro-batch: one all-gather per step instead of one per micro-batch, at no extra peak
+    memory, as all layers are gathered at the end of each forward anyway.
+    """
+    keep_gathered = model in _NOT_RESHARDED_AFTER_FORWARD
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(not keep_gathered)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)

@@ -211,14 +211,5 @@ def gradient_sync(model: nn.Module, enabled: bool):
     if isinstance(model, FSDP):
         return model.no_sync()
     if isinstance(model, FSDPModule):
-        return _fsdp2_no_sync(model)
+        return fsdp2.no_sync(model)
     return contextlib.nullcontext()  # an unsharded model has nothing to synchronise
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(model: FSDPModule):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

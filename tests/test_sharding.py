@@ -22,6 +22,9 @@ PARITY = {  # fp32: per-step losses must equal the unsharded reference within 1e
     "fsdp2_hsdp": {"dp_replicate_size": 2},  # mesh 2 x 1: replicate across the 2 ranks
     "fsdp1_sync_last": {"fsdp_version": 1, "gradient_sync": "last_micro_batch"},
     "fsdp2_sync_last": {"gradient_sync": "last_micro_batch"},
+    "fsdp1_shard_grad_op_sync_last": {"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+                                      "gradient_sync": "last_micro_batch"},
+    "fsdp2_no_reshard_sync_last": {"fsdp_reshard_after_forward": "false", "gradient_sync": "last_micro_batch"},
     "fsdp1_ac": {"fsdp_version": 1, "fsdp_activation_checkpointing": "true"},
     "fsdp2_ac": {"fsdp_activation_checkpointing": "true"},
     "fsdp2_offload": {"fsdp_offload_params": "true"},
@@ -122,6 +125,16 @@ def test_no_shard_and_replicated_hsdp_hold_everything(runs):
         for rank in runs[name]["ranks"]:
             assert [rank[k] for k in ("params", "grads", "optimizer_state")] == \
                 [reference[k] for k in ("params", "grads", "optimizer_state")]
+
+
+def test_micro_batches_without_sync_run_no_collective_when_layers_stay_gathered(runs):
+    """Without gradient sync, a model that keeps its layers gathered from forward to backward (FSDP1 SHARD_GRAD_OP,
+    FSDP2 reshard_after_forward=False) also keeps them for the next micro-batch, which then runs no collective; one
+    that reshards after forward gathers each layer again (FSDP2 in backward too)."""
+    collectives = {name: [r["collectives_in_second_micro_batch_without_sync"] for r in runs[name]["ranks"]]
+                   for name in ["fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp2_reshard", "fsdp2_no_reshard"]}
+    assert collectives["fsdp1_shard_grad_op"] == collectives["fsdp2_no_reshard"] == [0, 0]
+    assert collectives["fsdp1_full_shard"][0] > 0 and collectives["fsdp2_reshard"][0] > 0
 
 
 def test_activation_checkpointing_recomputes_each_layer_with_clean_keys(runs):

@@ -23,7 +23,7 @@ from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import describe_plan, local_numel
+from fsdp_recipes.sharding import describe_plan, gradient_sync, local_numel
 from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, token_loss_sum, train
 
 
@@ -33,7 +33,8 @@ def local_bytes(tensors) -> int:
 
 def held_bytes(model, cfg, env, batch) -> dict:
     """One forward, backward and AdamW step; then the bytes of what this rank holds, from the tensors themselves,
-    and how often decoder layers ran forward (twice per layer with activation checkpointing: the recomputation)."""
+    and how often decoder layers ran forward (twice per layer with activation checkpointing: the recomputation).
+    Last, two micro-batches without gradient sync, and the collectives the second one runs."""
     optimizer = build_optimizer(model, cfg)
     batch = {k: v.to(env.device) for k, v in batch.items()}
     calls = []
@@ -49,7 +50,18 @@ def held_bytes(model, cfg, env, batch) -> dict:
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    return {"params": local_bytes(model.parameters()), "grads": grads, "optimizer_state": local_bytes(state),
+    held = local_bytes(model.parameters())
+
+    def micro_batch_without_sync():
+        with gradient_sync(model, enabled=False):
+            token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                           batch["labels"]).backward()
+
+    micro_batch_without_sync()
+    with torch.profiler.profile() as profile:
+        micro_batch_without_sync()
+    return {"collectives_in_second_micro_batch_without_sync": sum(e.name.startswith("c10d::") for e in profile.events()),
+            "params": held, "grads": grads, "optimizer_state": local_bytes(state),
             "param_dtypes": sorted({str(p.dtype) for p in params}),
             "state_dtypes": sorted({str(t.dtype) for t in state}),
             "param_devices": sorted({p.device.type for p in params}),
