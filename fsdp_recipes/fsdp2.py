@@ -54,7 +54,9 @@ def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: De
     for unit in units:
         fully_shard(unit, **kwargs)
     # The root group holds what no unit owns: embeddings, final norm and lm_head (tied or not, in one group).
-    fully_shard(model, **kwargs)
+    # It is never resharded after forward (as FSDP1's root, and FSDP2's when reshard_after_forward is left unset):
+    # backward starts with its lm_head, so resharding would only all-gather it again, once per micro-batch.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     if not plan.reshard_after_forward:
         _NOT_RESHARDED_AFTER_FORWARD.add(model)
 
@@ -63,13 +65,15 @@ def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: De
 def no_sync(model: FSDPModule):
     """One micro-batch whose gradients accumulate unreduced (full-size) on each rank, as FSDP1's `no_sync`.
 
-    Like FSDP1's with SHARD_GRAD_OP, a model not resharded after forward also keeps its layers gathered after
-    backward, for the next micro-batch: one all-gather per step instead of one per micro-batch, at no extra peak
-    memory, as all layers are gathered at the end of each forward anyway.
+    The root unit stays gathered after backward, for the next micro-batch. Like FSDP1's with SHARD_GRAD_OP, a model
+    not resharded after forward also keeps its layers gathered: one all-gather per step instead of one per
+    micro-batch. Neither costs peak memory: what is kept is gathered at the end of each forward anyway.
     """
     keep_gathered = model in _NOT_RESHARDED_AFTER_FORWARD
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(not keep_gathered)
+    # The root (embeddings, lm_head) is gathered from the start of each forward to the end of its backward anyway.
+    model.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:

@@ -127,14 +127,30 @@ def test_no_shard_and_replicated_hsdp_hold_everything(runs):
                 [reference[k] for k in ("params", "grads", "optimizer_state")]
 
 
-def test_micro_batches_without_sync_run_no_collective_when_layers_stay_gathered(runs):
-    """Without gradient sync, a model that keeps its layers gathered from forward to backward (FSDP1 SHARD_GRAD_OP,
-    FSDP2 reshard_after_forward=False) also keeps them for the next micro-batch, which then runs no collective; one
-    that reshards after forward gathers each layer again (FSDP2 in backward too)."""
-    collectives = {name: [r["collectives_in_second_micro_batch_without_sync"] for r in runs[name]["ranks"]]
-                   for name in ["fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp2_reshard", "fsdp2_no_reshard"]}
-    assert collectives["fsdp1_shard_grad_op"] == collectives["fsdp2_no_reshard"] == [0, 0]
-    assert collectives["fsdp1_full_shard"][0] > 0 and collectives["fsdp2_reshard"][0] > 0
+def test_all_gathers_and_reduce_scatters_per_micro_batch(runs):
+    """What each engine all-gathers and reduce-scatters in one micro-batch of the 2-layer model: 3 units, the root
+    (embeddings, final norm, lm_head) and one per layer. The root is never resharded after forward, as backward
+    starts with its lm_head. Without gradient sync (here the second such micro-batch) the root stays gathered for
+    the next micro-batch, and so do the layers of a model that keeps them gathered from forward to backward (FSDP1
+    SHARD_GRAD_OP, FSDP2 reshard_after_forward=False), which then runs no collective at all."""
+    def all_gathers_and_reduce_scatters(name, phase):  # the same on both ranks
+        per_rank = {tuple(sum(n for op, n in rank[phase].items() if kind in op) for kind in ("allgather", "reduce_scatter"))
+                    for rank in runs[name]["ranks"]}
+        assert len(per_rank) == 1, (name, phase, per_rank)
+        return per_rank.pop()
+
+    expected = {  # (synced, second without sync), each (all-gathers, reduce-scatters)
+        # FSDP2: the root once, each layer in forward and again in backward; without sync the root stays gathered.
+        "fsdp2_reshard": ((1 + 2 * 2, 3), (2 * 2, 0)),
+        "fsdp2_no_reshard": ((3, 3), (0, 0)),
+        # FSDP1's no_sync gathers its root again in the next micro-batch.
+        "fsdp1_full_shard": ((1 + 2 * 2, 3), (1 + 2 * 2, 0)),
+        "fsdp1_shard_grad_op": ((3, 3), (0, 0)),
+    }
+    measured = {name: tuple(all_gathers_and_reduce_scatters(name, phase) for phase in
+                            ("collectives_in_synced_micro_batch", "collectives_in_second_micro_batch_without_sync"))
+                for name in expected}
+    assert measured == expected
 
 
 def test_activation_checkpointing_recomputes_each_layer_with_clean_keys(runs):

@@ -11,6 +11,7 @@ parameters, gradients and optimizer state this rank holds after one extra optimi
 import json
 import os
 import sys
+from collections import Counter
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -31,18 +32,25 @@ def local_bytes(tensors) -> int:
     return sum(local_numel(t) * t.element_size() for t in tensors)
 
 
+def collectives(profile) -> dict:
+    """How many times each collective ran, e.g. {"c10d::_allgather_base_": 5}."""
+    return dict(Counter(e.name for e in profile.events() if e.name.startswith("c10d::")))
+
+
 def held_bytes(model, cfg, env, batch) -> dict:
     """One forward, backward and AdamW step; then the bytes of what this rank holds, from the tensors themselves,
     and how often decoder layers ran forward (twice per layer with activation checkpointing: the recomputation).
-    Last, two micro-batches without gradient sync, and the collectives the second one runs."""
+    The collectives that first micro-batch runs; last, two micro-batches without gradient sync, and the collectives
+    the second one runs."""
     optimizer = build_optimizer(model, cfg)
     batch = {k: v.to(env.device) for k, v in batch.items()}
     calls = []
     # A pre-hook: the recomputation stops early, after the last tensor backward needs, so no post-hook fires.
     hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in model.modules()
              if isinstance(m, LlamaDecoderLayer)]
-    token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                   batch["labels"]).backward()
+    with torch.profiler.profile() as synced:
+        token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                       batch["labels"]).backward()
     for hook in hooks:
         hook.remove()
     grad_norm = clip_grad_norm(model, 0)  # 0: measure only; the trainer's engine-aware global norm
@@ -58,9 +66,10 @@ def held_bytes(model, cfg, env, batch) -> dict:
                            batch["labels"]).backward()
 
     micro_batch_without_sync()
-    with torch.profiler.profile() as profile:
+    with torch.profiler.profile() as unsynced:
         micro_batch_without_sync()
-    return {"collectives_in_second_micro_batch_without_sync": sum(e.name.startswith("c10d::") for e in profile.events()),
+    return {"collectives_in_synced_micro_batch": collectives(synced),
+            "collectives_in_second_micro_batch_without_sync": collectives(unsynced),
             "params": held, "grads": grads, "optimizer_state": local_bytes(state),
             "param_dtypes": sorted({str(p.dtype) for p in params}),
             "state_dtypes": sorted({str(t.dtype) for t in state}),
