@@ -11,10 +11,10 @@ per micro-batch), by the project's own `collate` and `pack_examples`. Every vari
 optimizer steps: each step is `--micro_batches` micro-batches, split over the ranks (2 processes: half each, as
 gradient accumulation; 1 process: all of them). "Same total cores": 1 process runs 2 threads, 2 processes 1 each.
 
-Each variant runs `--repeats` times, each time in fresh processes: warm-up steps, then timed steps; the fastest run
-is reported, as the one least slowed by whatever else the machine was doing (all runs' figures are in the JSON).
-Reported: real (non-padding) input tokens per second over all ranks, the share of token slots that are real, and
-the peak RSS of each rank.
+Each run starts fresh processes: warm-up steps, then timed steps. `--repeats` rounds each run every variant once;
+a variant's ratio to the reference is taken within each round and the median over rounds is reported, with the
+median of its runs (all runs' figures are in the JSON). Reported: real (non-padding) input tokens per second over
+all ranks, the share of token slots that are real, and the peak RSS of each rank (the largest over the runs).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import platform
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -97,7 +98,6 @@ def peak_rss_mb() -> float:
 def worker(args) -> None:
     """One variant, in this process (and its peers under torchrun); rank 0 prints one RESULT line."""
     import torch.distributed as dist
-    import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
     from fsdp_recipes.config import TrainConfig
@@ -105,7 +105,8 @@ def worker(args) -> None:
     from fsdp_recipes.distributed import distributed, exit_process
     from fsdp_recipes.plan import resolve_plan
     from fsdp_recipes.sharding import shard_model
-    from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, forward_backward, step_token_counts
+    from fsdp_recipes.trainer import (build_optimizer, clip_grad_norm, forward_backward, step_token_counts,
+                                      token_loss_sum)
 
     _, engine, precision, data = VARIANTS[args.worker]
     with distributed() as env:
@@ -121,7 +122,7 @@ def worker(args) -> None:
         if fewer_collectives:
             cfg.fsdp_reshard_after_forward, cfg.gradient_sync = False, "last_micro_batch"
         if engine == "plain":
-            # The reference a user would write: no FSDP, autocast for bf16, the recipe's AdamW (fused).
+            # The reference a user would write: no FSDP, autocast for bf16, the recipe's loss and AdamW (fused).
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, fused=True)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -130,8 +131,7 @@ def worker(args) -> None:
                 for mb in micro_batches:
                     with autocast:
                         logits = model(**model_inputs(mb)).logits
-                    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), mb["labels"][:, 1:].flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum") / label_tokens
+                    loss = token_loss_sum(logits, mb["labels"]) / label_tokens
                     loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
                 optimizer.step()
@@ -197,17 +197,34 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "load_average_1_5_15": os.getloadavg(), "torch": torch.__version__}
 
 
+def reference_of(name: str) -> str:
+    """The single-process plain loop on the same precision and data."""
+    _, _, precision, data = VARIANTS[name]
+    return next(n for n, v in VARIANTS.items() if v == (1, "plain", precision, data))
+
+
+def summarize(name: str, runs: dict[str, list[dict]]) -> dict:
+    """The median run of a variant, and the median of its ratios to the reference run of the same round."""
+    mine = runs[name]
+    result = {k: mine[0][k] for k in ("variant", "processes", "threads_per_process", "parameters", "real_tokens",
+                                      "real_token_share")}
+    result["real_tokens_per_second"] = statistics.median(r["real_tokens_per_second"] for r in mine)
+    result["real_tokens_per_second_of_each_run"] = [r["real_tokens_per_second"] for r in mine]
+    result["peak_rss_mb_per_rank"] = [max(rss) for rss in zip(*(r["peak_rss_mb_per_rank"] for r in mine))]
+    reference = runs.get(reference_of(name))
+    if reference:
+        ratios = [r["real_tokens_per_second"] / ref["real_tokens_per_second"] for r, ref in zip(mine, reference)]
+        result["ratio_to_reference_of_each_round"] = [round(x, 3) for x in ratios]
+        result["ratio_to_reference"] = round(statistics.median(ratios), 2)
+    return result
+
+
 def print_table(results: list[dict]) -> None:
-    reference = {(r["variant"].split()[1], r["variant"].split()[2]): r for r in results
-                 if r["variant"].startswith("reference")}
     header = f"{'variant':40s} {'procs x threads':>15s} {'real tok/s':>10s} {'vs ref':>7s} {'real share':>10s}  peak RSS per rank (MB)"
     print(header)
     print("-" * len(header))
     for r in results:
-        _, _, precision, data = VARIANTS[r["variant"]]
-        ref = reference.get(("bf16" if precision == "bf16" else "fp32", data))
-        ratio = f"{r['real_tokens_per_second'] / ref['real_tokens_per_second']:.2f}" if ref else "-"
-        r["ratio_to_reference"] = float(ratio) if ref else None
+        ratio = f"{r['ratio_to_reference']:.2f}" if "ratio_to_reference" in r else "-"
         print(f"{r['variant']:40s} {r['processes']:>8d} x {r['threads_per_process']:<4d} "
               f"{r['real_tokens_per_second']:10.0f} {ratio:>7s} {r['real_token_share']:10.2f}  "
               f"{', '.join(map(str, r['peak_rss_mb_per_rank']))}")
@@ -218,7 +235,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of: " + ", ".join(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=3, help="runs per variant; the fastest is reported")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds, each running every variant once; medians are reported")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     model = parser.add_argument_group("model and data (passed on to every variant)")
     model.add_argument("--vocab_size", type=int, default=32000)
@@ -246,13 +264,14 @@ def main() -> None:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['load_average_1_5_15']}, "
           f"torch {info['torch']}", flush=True)
-    results = []
-    for name in names:
-        runs = [run_variant(name, args, passthrough) for _ in range(args.repeats)]
-        results.append({**max(runs, key=lambda r: r["real_tokens_per_second"]),
-                        "real_tokens_per_second_of_each_run": [r["real_tokens_per_second"] for r in runs]})
-        print(f"  {name}: {', '.join(f'{r:.0f}' for r in results[-1]['real_tokens_per_second_of_each_run'])} "
-              "real tokens/s", flush=True)
+    runs = {name: [] for name in names}
+    for round_ in range(args.repeats):
+        # One round runs every variant once: a ratio compares two runs close in time, on a machine whose speed drifts.
+        for name in names:
+            runs[name].append(run_variant(name, args, passthrough))
+            print(f"  round {round_ + 1}, {name}: {runs[name][-1]['real_tokens_per_second']:.0f} real tokens/s",
+                  flush=True)
+    results = [summarize(name, runs) for name in names]
     print()
     print_table(results)
     summary = {"machine": {**info, "load_average_after": os.getloadavg()}, "settings": vars(args), "results": results}
