@@ -204,7 +204,7 @@ def reference_of(name: str) -> str:
 
 
 def summarize(name: str, runs: dict[str, list[dict]]) -> dict:
-    """The median run of a variant, and the median of its ratios to the reference run of the same round."""
+    """A variant's median tokens/s over its runs, and the median of its ratios to the reference run of each round."""
     mine = runs[name]
     result = {k: mine[0][k] for k in ("variant", "processes", "threads_per_process", "parameters", "real_tokens",
                                       "real_token_share")}

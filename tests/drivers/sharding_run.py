@@ -44,13 +44,17 @@ def held_bytes(model, cfg, env, batch) -> dict:
     the second one runs."""
     optimizer = build_optimizer(model, cfg)
     batch = {k: v.to(env.device) for k, v in batch.items()}
+
+    def micro_batch():
+        token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                       batch["labels"]).backward()
+
     calls = []
     # A pre-hook: the recomputation stops early, after the last tensor backward needs, so no post-hook fires.
     hooks = [m.register_forward_pre_hook(lambda *_: calls.append(1)) for m in model.modules()
              if isinstance(m, LlamaDecoderLayer)]
     with torch.profiler.profile() as synced:
-        token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                       batch["labels"]).backward()
+        micro_batch()
     for hook in hooks:
         hook.remove()
     grad_norm = clip_grad_norm(model, 0)  # 0: measure only; the trainer's engine-aware global norm
@@ -62,8 +66,7 @@ def held_bytes(model, cfg, env, batch) -> dict:
 
     def micro_batch_without_sync():
         with gradient_sync(model, enabled=False):
-            token_loss_sum(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                           batch["labels"]).backward()
+            micro_batch()
 
     micro_batch_without_sync()
     with torch.profiler.profile() as unsynced:
