@@ -1,0 +1,60 @@
+"""The GPU benchmark's whole path runs on the CPU with a tiny config: data, sharding, the step, FLOPs and the table."""
+
+import importlib.util
+import json
+import math
+import sys
+
+from transformers import LlamaConfig
+
+from conftest import REPO, run
+from fsdp_recipes.flops import build_meta_model
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("gpu_mfu", REPO / "bench" / "gpu_mfu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpointing(tmp_path):
+    hidden, intermediate, layers, heads, kv_heads, head_dim, vocab, seq = 64, 128, 2, 4, 2, 16, 512, 128
+    LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "mfu.json"
+    variants = [f"{tmp_path / 'tiny'} eager + AC", f"{tmp_path / 'tiny'} eager"]
+    proc = run([sys.executable, "bench/gpu_mfu.py", "--variants", ",".join(variants), "--seq_len", seq,
+                "--warmup_steps", 1, "--steps", 2, "--peak_tflops", 0.001, "--out", out])
+    results = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in results] == variants
+    # q, k, v, o, gate, up, down per layer, and the tied lm_head; attention over the whole sequence.
+    matmul_params = layers * (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+                              + 3 * hidden * intermediate) + vocab * hidden
+    flops = 6 * matmul_params + 12 * layers * heads * head_dim * seq
+    for r in results:
+        assert r["flops_per_token"] == flops
+        # MFU against --peak_tflops 0.001, within the rounding of tokens/s (to 1) and of MFU (to 4 places).
+        assert abs(r["mfu"] - flops * r["tokens_per_second"] / 1e9) <= flops * 0.5 / 1e9 + 5e-5
+        # Every example is longer than 128 tokens and truncated, so each packed row is full: 2 rows per step.
+        assert r["tokens_per_step"] == 2 * seq
+        assert r["peak_rss_gib"] > 0
+    # Recomputation gives the same numbers: the same loss after 3 steps, near a random model's log(vocab).
+    checkpointed, plain = results
+    assert checkpointed["last_step_loss"] == plain["last_step_loss"]
+    assert abs(plain["last_step_loss"] - math.log(vocab)) < 0.5
+    table = proc.stdout.split("tokens/s")[-1]
+    assert variants[0] in table and variants[1] in table
+
+
+def test_gpu_benchmark_shapes_are_llama_3_2_and_bad_variants_are_refused():
+    bench = load_bench()
+    for name, parameters in (("1B", 1_235_814_400), ("3B", 3_212_749_824)):  # Llama-3.2-1B's and 3B's counts
+        model = build_meta_model(bench.model_config(name, 4096))
+        assert sum(p.numel() for p in model.parameters()) == parameters
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert bench.parse_variant("3B compile + AC") == ("3B", True, True)
+    assert bench.parse_variant("my org/model eager") == ("my org/model", False, False)
+    proc = run([sys.executable, "bench/gpu_mfu.py", "--variants", "3B fast"], expect_rc=1)
+    assert "variant '3B fast' must be a model followed by one of the modes: eager, compile" in proc.stderr
