@@ -8,8 +8,10 @@ of fp32 weights. Each size runs in 2 fresh processes (FSDP2, gloo): the model is
 gradients fills the optimizer state (twice the model), so the checkpoints have their real size. Each phase resets
 the kernel's peak-RSS counter of both ranks (/proc/self/clear_refs) and reports the largest peak of the two, and
 that peak minus the rank's RSS before the phase ("extra"). The conversion runs as its own process (as a user runs
-it), with --max_shard_size 100MB, so that the largest output file is the largest tensor; its "extra" is the peak
-above a process that only imports the converter. Each size's files are deleted before the next.
+it), with --max_shard_size 100MB, so that the largest output file is the largest tensor; its "extra" is its peak
+anonymous memory above that of a process that only imports the converter (anonymous: the RSS also counts shared
+library pages, which vary between processes by up to 100 MB with a CUDA build of torch). Each size's files are
+deleted before the next.
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def main() -> None:
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes fresh checkpoints there")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    _, import_mb = measure([sys.executable, "-c", "import fsdp_recipes.convert"])
-    print(f"load average {os.getloadavg()}; the converter's imports alone: {import_mb:.0f} MB peak RSS", flush=True)
+    _, _, import_anon_mb = measure([sys.executable, "-c", "import fsdp_recipes.convert"])
+    print(f"load average {os.getloadavg()}; the converter's imports alone: {import_anon_mb:.0f} MB anonymous",
+          flush=True)
     results = []
     for num_layers in [int(n) for n in args.num_layers.split(",")]:
         run_dir = os.path.join(args.work_dir, f"layers_{num_layers}")
@@ -128,12 +131,12 @@ def main() -> None:
         result = json.loads(lines[0])
         result["sharded_checkpoint_bytes"] = folder_bytes(result["sharded_checkpoint"])
         hf_dir = os.path.join(run_dir, "hf")
-        seconds, peak_mb = measure([sys.executable, "-m", "fsdp_recipes.convert", result["sharded_checkpoint"], hf_dir,
-                                    "--max_shard_size", "100MB"])
+        seconds, peak_mb, peak_anon_mb = measure([sys.executable, "-m", "fsdp_recipes.convert",
+                                                  result["sharded_checkpoint"], hf_dir, "--max_shard_size", "100MB"])
         largest_file = max(os.path.getsize(os.path.join(hf_dir, n)) for n in os.listdir(hf_dir)
                            if n.endswith(".safetensors"))
         result["phases"].append({"phase": "convert (100MB files)", "seconds": round(seconds, 2),
-                                 "peak_rss_mb": round(peak_mb), "extra_rss_mb": round(peak_mb - import_mb)})
+                                 "peak_rss_mb": round(peak_mb), "extra_rss_mb": round(peak_anon_mb - import_anon_mb)})
         result["largest_output_file_bytes"] = largest_file
         results.append(result)
         shutil.rmtree(run_dir)
@@ -152,7 +155,7 @@ def main() -> None:
     print(f"load average at the end: {os.getloadavg()}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"load_average_after": os.getloadavg(), "converter_import_rss_mb": import_mb,
+            json.dump({"load_average_after": os.getloadavg(), "converter_import_anon_mb": import_anon_mb,
                        "results": results}, f, indent=2)
 
 

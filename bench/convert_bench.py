@@ -4,7 +4,7 @@
 
 The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: a 1.08 GB fp32 checkpoint.
 It is written once with the project's own save_checkpoint (one process, sharded format), then each converter
-runs in its own process, and its peak RSS (VmHWM) is read from /proc. Both write fp32 safetensors;
+runs in its own process, and its peak RSS (VmHWM) and anonymous memory are read from /proc. Both write fp32 safetensors;
 accelerate always writes one file, the project's converter files of at most --max_shard_size.
 """
 
@@ -45,25 +45,29 @@ def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size
     return path, sum(sizes), max(sizes)
 
 
-def measure(cmd: list[str]) -> tuple[float, float]:
-    """Wall time in seconds and peak RSS in MB of `cmd`, run as its own process.
+def measure(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall time in seconds, peak RSS in MB and peak anonymous memory in MB of `cmd`, run as its own process.
 
-    The peak is the process's VmHWM, polled from /proc: rusage's ru_maxrss would also count this (large) parent,
-    whose memory the child shares until its exec.
+    The peak RSS is the process's VmHWM, read from /proc (rusage's ru_maxrss would also count this large parent,
+    whose memory the child shares until its exec). It includes the pages of the shared libraries the process has
+    touched, which vary by up to 100 MB from run to run with a CUDA build of torch; the anonymous memory (RssAnon:
+    what the process allocated, tensors included) does not, and is the largest of its values polled every 10 ms.
     """
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    peak_kb = 0
+    peak_kb = peak_anon_kb = 0
     while proc.poll() is None:
         try:
             with open(f"/proc/{proc.pid}/status") as f:
-                peak_kb = max([peak_kb, *(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))])
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            pass  # the process ended between poll() and open()
-        time.sleep(0.02)
+                status = {line.split(":")[0]: int(line.split()[1])
+                          for line in f if line.startswith(("VmHWM:", "RssAnon:"))}
+            peak_kb, peak_anon_kb = max(peak_kb, status["VmHWM"]), max(peak_anon_kb, status["RssAnon"])
+        except (FileNotFoundError, ProcessLookupError, KeyError):
+            pass  # the process ended between poll() and open(), or while its status was read
+        time.sleep(0.01)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed")
-    return time.perf_counter() - start, peak_kb / 1024
+    return time.perf_counter() - start, peak_kb / 1024, peak_anon_kb / 1024
 
 
 def main() -> None:
@@ -92,15 +96,17 @@ def main() -> None:
     }
     results = {}
     for name, cmd in tools.items():
-        seconds, peak_mb = measure(cmd)
-        results[name] = {"seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb)}
+        seconds, peak_mb, peak_anon_mb = measure(cmd)
+        results[name] = {"seconds": round(seconds, 2), "peak_rss_mb": round(peak_mb),
+                         "peak_anon_mb": round(peak_anon_mb)}
     ours = os.path.join(args.work_dir, "ours")
     largest_file = max(os.path.getsize(os.path.join(ours, name)) for name in os.listdir(ours)
                        if name.endswith(".safetensors"))
     print(f"checkpoint: {checkpoint}, model weights {size / 1e9:.2f} GB (fp32), largest tensor "
           f"{largest_tensor / 1e6:.0f} MB, largest output file {largest_file / 1e6:.0f} MB")
     for name, r in results.items():
-        print(f"{name:70s} {r['seconds']:8.2f} s {r['peak_rss_mb']:8d} MB peak RSS")
+        print(f"{name:70s} {r['seconds']:8.2f} s {r['peak_rss_mb']:8d} MB peak RSS, "
+              f"{r['peak_anon_mb']:8d} MB anonymous")
     print(json.dumps({"model_bytes": size, "largest_tensor_bytes": largest_tensor,
                       "largest_output_file_bytes": largest_file, "results": results}))
 

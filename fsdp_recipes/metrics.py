@@ -16,12 +16,13 @@ import torch
 
 from .config import ConfigError, TrainConfig
 
-_VERSIONED_PACKAGES = ["fsdp-recipes", "torch", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
+_VERSIONED_PACKAGES = ["fsdp-recipes", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
 
 
 def library_versions() -> dict[str, str]:
     """Versions of Python, CUDA and the libraries that decide a run's numbers, for the W&B config."""
-    versions = {"python": platform.python_version(), "cuda": torch.version.cuda or "none"}
+    # torch's own version names its build (2.11.0+cu130); the package metadata of PyPI's CUDA wheels does not.
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
     for name in _VERSIONED_PACKAGES:
         try:
             versions[name] = version(name)

@@ -14,11 +14,12 @@ def test_benchmark_runs_and_converter_memory_stays_near_one_tensor(tmp_path):
                 "--num_layers", "12", "--vocab_size", "1000", "--max_shard_size", "50MB"])
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     model_mb = report["model_bytes"] / 2**20
-    peaks = [r["peak_rss_mb"] for r in report["results"].values()]  # baseline, ours, baseline, accelerate
+    # Anonymous memory: the shared libraries' pages in the RSS vary by up to 100 MB with a CUDA build of torch.
+    peaks = [r["peak_anon_mb"] for r in report["results"].values()]  # baseline, ours, baseline, accelerate
     ours, accelerate = peaks[1] - peaks[0], peaks[3] - peaks[2]
     assert 140 < model_mb < 160
     tensor_mb = report["largest_tensor_bytes"] / 2**20
-    # One tensor (read straight into place), plus a fixed overhead (about 20 MB measured: the metadata, the allocator).
+    # One tensor (read straight into place), plus a small overhead (3 to 4 MB in all, measured with torch 2.11 and 2.13).
     assert ours < tensor_mb + 32, f"converter used {ours} MB over its imports; largest tensor {tensor_mb:.1f} MB"
     assert accelerate > 0.9 * model_mb, f"merge-weights used {accelerate} MB: the measurement misses the load"
     assert (tmp_path / "bench" / "ours" / "model.safetensors.index.json").is_file()
