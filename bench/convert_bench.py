@@ -4,8 +4,8 @@
 
 The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: a 1.08 GB fp32 checkpoint.
 It is written once with the project's own save_checkpoint (one process, sharded format), then each converter
-runs in its own process, and its peak RSS (VmHWM) and anonymous memory are read from /proc. Both write fp32 safetensors;
-accelerate always writes one file, the project's converter files of at most --max_shard_size.
+runs in its own process, and its peak RSS (VmHWM) and anonymous memory are read from /proc. Both write fp32
+safetensors; accelerate always writes one file, the project's converter files of at most --max_shard_size.
 """
 
 from __future__ import annotations
