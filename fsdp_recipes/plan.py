@@ -34,6 +34,7 @@ class ShardingPlan:
     mixed_precision: str  # "bf16", "no" or "pure_bf16"
     backward_prefetch: Optional[str]  # FSDP1 only; None: torch's default (BACKWARD_PRE)
     torch_compile: bool = False  # the recipe config's torch_compile: compile each decoder layer
+    gradient_sync: str = "every_micro_batch"  # the recipe config's gradient_sync
     overrides: list[str] = field(default_factory=list)  # recipe settings that replaced accelerate's, printed at start
     # Filled by shard_model: what was wrapped, and on which mesh.
     wrapped: str = ""
@@ -49,6 +50,20 @@ def _env_bool(name: str) -> Optional[bool]:
 def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name)
     return None if value is None else int(float(value))  # accelerate writes 1e8 as "100000000", users as "1e8"
+
+
+def _env_reshard(name: str) -> bool | str | None:
+    """accelerate's fsdp_reshard_after_forward: true or false for FSDP2, or, as `accelerate config` writes it for
+    FSDP1, a sharding strategy name."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    if value.strip().upper() in FSDP1_STRATEGIES:
+        return value.strip().upper()
+    if value.strip().lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ConfigError(f"fsdp_reshard_after_forward must be true or false (FSDP2) or one of "
+                          f"{', '.join(FSDP1_STRATEGIES)} (FSDP1), got {value}")
+    return _env_bool(name)
 
 
 def _reject_unsupported_env() -> None:
@@ -89,6 +104,10 @@ def _check_parallelism_config(replicate: Optional[int]) -> None:
 def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     """Recipe config first, then the accelerate config, then the project's defaults."""
     overrides: list[str] = []
+    dynamo_backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO")
+    if dynamo_backend.upper() != "NO":
+        raise ConfigError(f"the accelerate config's dynamo_config (dynamo_backend {dynamo_backend}) is not applied: "
+                          f"remove it, and set torch_compile true in the recipe config to compile each decoder layer")
     use_env = bool(_env_bool("ACCELERATE_USE_FSDP"))
     if use_env:
         _reject_unsupported_env()
@@ -109,7 +128,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
 
     # accelerate always exports both settings, with FULL_SHARD and true as defaults; each engine reads only its own.
     env_strategy = env(os.environ.get, "FSDP_SHARDING_STRATEGY")
-    env_reshard = env(_env_bool, "FSDP_RESHARD_AFTER_FORWARD")
+    env_reshard = env(_env_reshard, "FSDP_RESHARD_AFTER_FORWARD")
     if version == 1:
         if cfg.fsdp_reshard_after_forward is not None:
             raise ConfigError("fsdp_reshard_after_forward is an FSDP2 setting: with fsdp_version 1 set "
@@ -117,11 +136,21 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         if env_reshard is False:
             raise ConfigError("the accelerate config sets fsdp_reshard_after_forward false, an FSDP2 setting: with "
                               "fsdp_version 1 use fsdp_sharding_strategy SHARD_GRAD_OP instead")
+        if isinstance(env_reshard, str):
+            # accelerate exports fsdp_sharding_strategy as FULL_SHARD when the YAML leaves it out.
+            if env_strategy not in (None, "FULL_SHARD", env_reshard):
+                raise ConfigError(f"the accelerate config sets fsdp_sharding_strategy {env_strategy} and "
+                                  f"fsdp_reshard_after_forward {env_reshard}: keep one of them")
+            env_strategy = env_reshard
         strategy = pick("fsdp_sharding_strategy", cfg.fsdp_sharding_strategy, env_strategy, "FULL_SHARD")
         if strategy not in FSDP1_STRATEGIES:
             raise ConfigError(f"fsdp_sharding_strategy must be one of {', '.join(FSDP1_STRATEGIES)}, got {strategy}")
         reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     else:
+        if isinstance(env_reshard, str):
+            raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward {env_reshard}, an FSDP1 "
+                              f"sharding strategy: with fsdp_version 2 set it to true (FULL_SHARD) or false "
+                              f"(SHARD_GRAD_OP)")
         if cfg.fsdp_sharding_strategy is not None or env_strategy not in (None, "FULL_SHARD"):
             raise ConfigError("fsdp_sharding_strategy is an FSDP1 setting: with fsdp_version 2 set "
                               "fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP), and "
@@ -157,6 +186,15 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
         raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
 
+    offload = pick("fsdp_offload_params", cfg.fsdp_offload_params, env(_env_bool, "FSDP_OFFLOAD_PARAMS"), False)
+    if (version == 1 and offload and cfg.gradient_accumulation_steps > 1
+            and cfg.gradient_sync == "every_micro_batch"):
+        # torch: FSDP1 replaces an offloaded gradient with the newest reduced one instead of adding to it.
+        raise ConfigError("FSDP1 with CPU offload cannot accumulate gradients over micro-batches that each reduce "
+                          "theirs (torch keeps only the last one): set gradient_sync last_micro_batch (full "
+                          "gradients stay on the GPU until the step's last micro-batch), gradient_accumulation_steps "
+                          "1, or fsdp_version 2")
+
     return ShardingPlan(
         fsdp_version=version,
         sharding_strategy=strategy,
@@ -165,8 +203,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         auto_wrap_policy=wrap,
         layer_cls_names=[n.strip() for n in layers.split(",")] if layers else None,
         min_num_params=min_num_params,
-        offload_params=pick("fsdp_offload_params", cfg.fsdp_offload_params, env(_env_bool, "FSDP_OFFLOAD_PARAMS"),
-                            False),
+        offload_params=offload,
         activation_checkpointing=pick("fsdp_activation_checkpointing", cfg.fsdp_activation_checkpointing,
                                       env(_env_bool, "FSDP_ACTIVATION_CHECKPOINTING"), False),
         cpu_ram_efficient_loading=pick("fsdp_cpu_ram_efficient_loading", cfg.fsdp_cpu_ram_efficient_loading,
@@ -174,5 +211,6 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         mixed_precision=precision,
         backward_prefetch=prefetch,
         torch_compile=cfg.torch_compile,
+        gradient_sync=cfg.gradient_sync,
         overrides=overrides,
     )

@@ -105,8 +105,9 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     layer_classes = find_layer_classes(model, plan.layer_cls_names)
     plan.total_params = sum(p.numel() for p in model.parameters())
     if plan.activation_checkpointing:
-        # Before sharding, so that FSDP's hooks sit outside the recomputed region; checkpoint_wrapper's default
-        # is the non-reentrant implementation, and its state-dict hooks strip the wrapper from the keys.
+        # Before sharding: FSDP2 then shards the wrapper (its hooks run outside the recomputed region), FSDP1 wraps
+        # the layer inside it (torch skips FSDP1's hooks while recomputing). checkpoint_wrapper's default is the
+        # non-reentrant implementation, and its state-dict hooks strip the wrapper from the keys.
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_classes))
     if plan.torch_compile:
         compile_layers(model, layer_classes, plan)
@@ -189,6 +190,12 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         "no": "fp32 compute, master weights, reduction and optimizer state",
         "pure_bf16": "pure bf16: bf16 compute, master weights, reduction and optimizer state",
     }[plan.mixed_precision]
+    if plan.gradient_sync == "every_micro_batch":
+        sync = "every micro-batch"
+    else:
+        # FSDP1's no_sync accumulates the unsharded gradients in the compute dtype; FSDP2 in the reduction dtype.
+        dtype = " in bf16" if plan.fsdp_version == 1 and plan.mixed_precision == "bf16" else ""
+        sync = f"last micro-batch of each step, full gradients accumulate{dtype} in between"
     lines = [
         f"engine: {engine} over {world} ranks",
         f"wrapped: {plan.wrapped}, then the root",
@@ -197,6 +204,7 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         f"offload: {'parameters, gradients and optimizer state on CPU' if plan.offload_params else 'none'}",
         f"activation checkpointing: {'each decoder layer' if plan.activation_checkpointing else 'off'}",
         f"loading: {'rank 0 reads the weights, broadcast while sharding' if plan.cpu_ram_efficient_loading else 'every rank reads the weights'}",
+        f"gradient sync: {sync}",
         f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
     lines += ["torch.compile: each decoder layer"] if plan.torch_compile else []

@@ -43,6 +43,7 @@ def expected_plan(config: dict, world: int = 2) -> list[str]:
         "activation checkpointing: " + ("each decoder layer" if fsdp["fsdp_activation_checkpointing"] else "off"),
         "loading: " + ("rank 0 reads the weights, broadcast while sharding" if fsdp["fsdp_cpu_ram_efficient_loading"]
                        else "every rank reads the weights"),
+        "gradient sync: every micro-batch",
         f"parameters: 80,192 total, {80_192 // shard:,} on rank 0",
     ]
 

@@ -187,6 +187,8 @@ def test_printed_plan_describes_the_engine(runs):
     assert "wrapped: 3 x size-based (20,000 parameters or more), then the root" in plans["fsdp2_size_wrap"]
     assert "loading: rank 0 reads the weights, broadcast while sharding" in plans["fsdp2_rank0_load"]
     assert "parameters: 80,192 total, 40,096 on rank 0" in plans["fsdp2_reshard"]
+    assert "gradient sync: every micro-batch" in plans["fsdp2_reshard"]
+    assert "gradient sync: last micro-batch of each step, full gradients accumulate in between" in plans["fsdp1_sync_last"]
 
 
 def test_rank0_loading_leaves_other_ranks_with_shards_only(tmp_path):

@@ -18,7 +18,8 @@ VARIANTS = {
     "fsdp2": {"fsdp_version": 2},
     "fsdp1": {"fsdp_version": 1},
     "fsdp2_offload": {"fsdp_offload_params": "true", "fsdp_cpu_ram_efficient_loading": "true"},
-    "fsdp1_offload": {"fsdp_version": 1, "fsdp_offload_params": "true", "fsdp_cpu_ram_efficient_loading": "true"},
+    "fsdp1_offload": {"fsdp_version": 1, "fsdp_offload_params": "true", "fsdp_cpu_ram_efficient_loading": "true",
+                      "gradient_sync": "last_micro_batch"},  # FSDP1 offload cannot accumulate outside no_sync
     "fsdp2_bf16": {"mixed_precision": "bf16"},
     **({"fsdp2_hsdp": {"dp_replicate_size": WORLD}} if WORLD > 1 else {}),
 }

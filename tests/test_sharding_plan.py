@@ -49,6 +49,24 @@ def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_
                               "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'"]
 
 
+def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
+    """`accelerate config` writes FSDP1's strategy as fsdp_reshard_after_forward, and `accelerate launch` exports it
+    lower-cased beside its default fsdp_sharding_strategy FULL_SHARD."""
+    accelerate_env.setenv("FSDP_VERSION", "1")
+    accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "shard_grad_op")
+    plan = plan_for()
+    assert (plan.sharding_strategy, plan.reshard_after_forward) == ("SHARD_GRAD_OP", False)
+    accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "true")
+    assert plan_for().sharding_strategy == "FULL_SHARD"
+
+
+def test_fsdp1_offload_accumulates_with_one_reduction_per_step(accelerate_env):
+    accelerate_env.setenv("FSDP_VERSION", "1")
+    accelerate_env.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    assert plan_for("--gradient_accumulation_steps", "2", "--gradient_sync", "last_micro_batch").offload_params
+    assert plan_for("--gradient_accumulation_steps", "1").offload_params
+
+
 HSDP_2X8 = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
             "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8", "PARALLELISM_CONFIG_TP_SIZE": "1",
             "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_SP_SIZE": "1", "WORLD_SIZE": "16"}
@@ -82,6 +100,15 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
      r"launched: set them to the number of nodes"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_TP_SIZE": "2"}, [], r"parallelism_config_tp_size 2 is not supported"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_CP_SIZE": "2"}, ["--dp_replicate_size", "1"], "parallelism_config_cp_size 2"),
+    ({"FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op"}, [], "SHARD_GRAD_OP, an FSDP1 sharding strategy: with "
+                                                          "fsdp_version 2 set it to true"),
+    ({"FSDP_RESHARD_AFTER_FORWARD": "sometimes"}, [], "fsdp_reshard_after_forward must be true or false"),
+    ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, [],
+     "sets fsdp_sharding_strategy NO_SHARD and fsdp_reshard_after_forward SHARD_GRAD_OP: keep one of them"),
+    ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, [], r"dynamo_config \(dynamo_backend INDUCTOR\) is not applied"),
+    # torch's FSDP1 replaces an offloaded gradient with the newest micro-batch's instead of adding to it.
+    ({"FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true"}, ["--gradient_accumulation_steps", "2"],
+     "FSDP1 with CPU offload cannot accumulate gradients .* set gradient_sync last_micro_batch"),
 ])
 def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message):
     for key, value in env.items():
