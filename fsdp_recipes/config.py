@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -76,7 +77,9 @@ class TrainConfig:
     per_device_train_batch_size: int = field(default=1, metadata={"help": "Sequences per rank per micro-batch."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     learning_rate: float = field(default=2e-5, metadata={"help": "Peak learning rate of AdamW."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Any transformers scheduler name."})
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt"] = field(
+        default="cosine", metadata={"help": "transformers' scheduler of that name, after warmup_steps."}
+    )
     warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and norms)."})
     adam_beta1: float = 0.9
@@ -183,6 +186,7 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        check_field_types(self)
         required = {"model_name_or_path": self.model_name_or_path, "dataset_name": self.dataset_name}
         for name, value in required.items():
             if not value:
@@ -214,6 +218,8 @@ class TrainConfig:
             raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
+        if self.lr_scheduler_type == "constant" and self.warmup_steps:
+            raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -221,6 +227,44 @@ class TrainConfig:
 
 class ConfigError(ValueError):
     """A config value the user must change; the message says which and how."""
+
+
+def check_field_types(cfg) -> None:
+    """Every field against its annotation. argparse checks only the command line: a YAML value reaches the config
+    as written, and a typo there (`save_dtype: bf16`) would otherwise fail hours later, or silently change a run."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not _matches(value, hints[f.name]):
+            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+
+
+def _matches(value, annotation) -> bool:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        return any(_matches(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and all(_matches(item, args[0]) for item in value)
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _describe(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('a ')}s"
+    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string"}[annotation]
 
 
 def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
@@ -241,8 +285,13 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
     field_names = [f.name for f in dataclasses.fields(config_cls)]
     if known.config:
-        with open(known.config) as f:
-            values = yaml.safe_load(f) or {}
+        try:
+            with open(known.config) as f:
+                values = yaml.safe_load(f) or {}
+        except OSError as error:
+            raise ConfigError(f"cannot read --config {known.config}: {error.strerror}") from error
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{known.config} is not valid YAML: {' '.join(str(error).split())}") from error
         if not isinstance(values, dict):
             raise ConfigError(f"{known.config} must hold a mapping of config keys, got {type(values).__name__}")
         for key in values:

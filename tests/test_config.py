@@ -50,6 +50,37 @@ def test_bad_values_are_explained(args, message):
         parse_config(args)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("save_dtype: bf16", r"save_dtype must be one of auto, bfloat16, float16, float32, got 'bf16'"),
+    ("gradient_sync: last", r"gradient_sync must be one of every_micro_batch, last_micro_batch, got 'last'"),
+    ("report_to: [wandb]", r"report_to must be one of none, wandb, got \['wandb'\]"),
+    ("mixed_precision: fp16", r"mixed_precision must be one of bf16, no, pure_bf16 or null, got 'fp16'"),
+    ("learning_rate: [1]", r"learning_rate must be a number, got \[1\]"),
+    ("save_steps: null", r"save_steps must be an integer, got None"),
+    ("max_steps: 10.5", r"max_steps must be an integer, got 10.5"),
+    ("generation_prompts: 'reverse: abc'", r"generation_prompts must be a list of strings or null, got 'reverse: abc'"),
+    ("lr_scheduler_type: reduce_lr_on_plateau", r"lr_scheduler_type must be one of linear, cosine, constant, "),
+    ("lr_scheduler_type: constant\nwarmup_steps: 5", r"constant has no warm-up: use constant_with_warmup"),
+])
+def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
+    """argparse checks only the command line; a YAML typo must not crash after training or change the run."""
+    with pytest.raises(ConfigError, match=message):
+        parse_config(["--config", write_yaml(tmp_path, f"model_name_or_path: m\ndataset_name: d\n{text}\n")])
+
+
+def test_yaml_values_of_the_right_type_pass(tmp_path):
+    cfg = parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nnum_train_epochs: 3\n"
+                                                        "generation_prompts: [a, b]\nfsdp_offload_params: true\n")])
+    assert (cfg.num_train_epochs, cfg.generation_prompts, cfg.fsdp_offload_params) == (3, ["a", "b"], True)
+
+
+def test_a_missing_or_malformed_config_file_is_explained(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read --config .*nope.yaml: No such file or directory"):
+        parse_config(["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(ConfigError, match=r"recipe.yaml is not valid YAML: mapping values are not allowed here .* line 2"):
+        parse_config(["--config", write_yaml(tmp_path, "a: 1\n b: [\n")])
+
+
 def test_recipe_reports_a_bad_argument_in_one_line():
     proc = run([sys.executable, "recipes/llama_sft.py", "--config", "recipes/configs/demo.yaml", "--learning_rat", "1"],
                expect_rc=2)
