@@ -20,9 +20,11 @@ import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import PreTrainedModel
+from transformers.dynamic_module_utils import custom_object_save
 
-from .sharding import state_dict_name
+from .sharding import compute_device, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -109,11 +111,17 @@ def replace_dir(tmp_dir: str, out_dir: str) -> None:
 
 
 def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.dtype) -> None:
-    """config.json (recording `dtype`), generation_config.json and the tokenizer files."""
+    """config.json (recording `dtype`), generation_config.json, the tokenizer files, and the model's own code when it
+    came with the checkpoint (trust_remote_code)."""
     # The model holds fp32 master weights; the folder records the dtype its files hold.
     config = copy.deepcopy(model.config)
     config.dtype, config.use_cache = dtype, True
-    config.save_pretrained(out_dir)
+    config.save_pretrained(out_dir)  # with the config's own code, if any
+    # The class that from_pretrained registered for its auto_map entry; FSDP2 subclasses it, FSDP1 wraps it.
+    unwrapped = model.module if isinstance(model, FSDP) else model
+    code_class = next((c for c in type(unwrapped).__mro__ if vars(c).get("_auto_class")), None)
+    if code_class is not None:
+        custom_object_save(code_class, out_dir)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -135,12 +143,18 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
     dist.barrier()
 
 
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights (every rank calls this); on an accelerator they go to rank 0's CPU memory, one at a time."""
+    # Decided by where the model computes, not where its parameters live: with CPU offload they are on the CPU, but
+    # without cpu_offload every rank would gather the whole model onto its GPU. On a CPU-only run cpu_offload breaks
+    # FSDP1 (a segfault, or "storage of size 0").
+    on_accelerator = compute_device(model).type != "cpu"
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator))
+
+
 def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size) -> None:
     """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`."""
-    # Offloading to CPU what is already on CPU breaks FSDP1 (a segfault, or "storage of size 0"); on an
-    # accelerator it keeps the full tensors off the GPU and on rank 0 only.
-    on_accelerator = next(model.parameters()).device.type != "cpu"
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator))
+    state_dict = gather_full_state_dict(model)
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)

@@ -154,6 +154,16 @@ def local_numel(tensor: torch.Tensor) -> int:
     return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """Where the model computes; with CPU offload its parameters live on the CPU instead."""
+    param = next(model.parameters())
+    if hasattr(param, "device_mesh"):  # FSDP2: the mesh's device
+        return torch.device(param.device_mesh.device_type)
+    if isinstance(model, FSDP):
+        return model.compute_device
+    return param.device
+
+
 def state_dict_name(name: str) -> str:
     """A parameter's or buffer's name as state-dict keys spell it: without FSDP1's and activation checkpointing's
     wrapper prefixes."""

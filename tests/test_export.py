@@ -1,13 +1,15 @@
 """The exported Hugging Face folder holds exactly the trained weights: logits are bit-equal after a reload."""
 
 import json
+import shutil
+import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import torchrun
+from conftest import read_metrics, run, torchrun
 
 
 @pytest.mark.parametrize("model_key, fsdp_version", [("model", 2), ("tied_model", 2), ("tied_model", 1)])
@@ -43,3 +45,51 @@ def test_export_reloads_with_logits_equal_to_gathered_weights(tiny, tmp_path, mo
         initial = AutoModelForCausalLM.from_pretrained(tiny[model_key], dtype=dtype).eval()
         with torch.no_grad():
             assert not torch.equal(initial(inputs).logits, reference(inputs).logits)
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class FooConfig(LlamaConfig):
+    model_type = "foo"
+"""
+REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_foo import FooConfig
+
+
+class FooForCausalLM(LlamaForCausalLM):
+    config_class = FooConfig
+"""
+
+
+def write_model_with_its_own_code(source, path):
+    """The tiny Llama as a checkpoint that ships its own model code (loaded with trust_remote_code)."""
+    shutil.copytree(source, path)
+    (path / "configuration_foo.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_foo.py").write_text(REMOTE_MODEL)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="foo", architectures=["FooForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_foo.FooConfig",
+                            "AutoModelForCausalLM": "modeling_foo.FooForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_a_model_with_its_own_code_exports_the_code_too(tiny, tmp_path, fsdp_version):
+    source = write_model_with_its_own_code(tiny["model"], tmp_path / "foo")
+    out = tmp_path / "run"
+    # The generic recipe; the run ends by reloading final/ for a sample, which needs the code beside the weights.
+    run([sys.executable, "recipes/sft.py", "--model_name_or_path", source, "--trust_remote_code", "true",
+         "--dataset_name", tiny["data"], "--output_dir", out, "--fsdp_version", str(fsdp_version),
+         "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64",
+         "--mixed_precision", "no", "--save_steps", "2", "--save_state_dict_type", "sharded",
+         "--generation_prompts", "abc", "--generation_max_new_tokens", "2"])
+    run([sys.executable, "-m", "fsdp_recipes.convert", out / "checkpoint-2", tmp_path / "converted"])
+    assert len(read_metrics(out / "samples.jsonl")) == 1
+    for folder in [out / "final", tmp_path / "converted"]:
+        assert (folder / "modeling_foo.py").read_text() == REMOTE_MODEL
+        assert (folder / "configuration_foo.py").read_text() == REMOTE_CONFIG
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert type(model).__name__ == "FooForCausalLM"

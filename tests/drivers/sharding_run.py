@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets
 from fsdp_recipes.distributed import distributed, exit_process
+from fsdp_recipes.export import gather_full_state_dict
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
@@ -106,7 +107,10 @@ with distributed() as env:
             description = describe_plan(model, plan)
         train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
         batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size)))
-        record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch)}
+        # What the export gathers: with CPU offload too, the full weights must not stay on a GPU.
+        gpu_tensors_in_export = sum(t.is_cuda for t in gather_full_state_dict(model).values())
+        record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch),
+                  "gpu_tensors_in_export": gpu_tensors_in_export}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
 exit_process(0)
