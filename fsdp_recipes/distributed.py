@@ -33,7 +33,9 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
+    # accelerate's use_cpu (the *_cpu.yaml configs): the CPU even where there is a GPU.
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    if torch.cuda.is_available() and not use_cpu:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # gloo beside nccl: CPU tensors (offloaded state, object collectives) need a CPU backend too.

@@ -11,7 +11,8 @@ PEAK_BF16_FLOPS = [
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # SXM
     ("GH200", 989e12),
     ("A100", 312e12),
     ("L40S", 362e12),
@@ -20,10 +21,12 @@ PEAK_BF16_FLOPS = [
 
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (CPUs, unlisted GPUs): MFU is then not logged."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    return None if device.type != "cuda" else peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    """The dense bf16 peak of the accelerator torch names `device_name`, or None where it is not listed."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
 
 
 def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,

@@ -46,16 +46,17 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def step_token_counts(micro_batches: list[dict], device: torch.device) -> tuple[float, float, float]:
+def step_token_counts(micro_batches: list[dict]) -> tuple[float, float, float]:
     """(label tokens, real input tokens, all token slots incl. padding) of the step, summed over all ranks.
 
-    Counted on the host before any compute: one all-reduce per step, no device sync inside the loop.
+    Counted on the host from the CPU batches before any compute, and reduced on the CPU (gloo): a device tensor would
+    make the host wait for the previous step's work, twice.
     """
     counts = torch.tensor(
         [sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches),
          sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
          sum(mb["attention_mask"].numel() for mb in micro_batches)],
-        dtype=torch.float64, device=device,
+        dtype=torch.float64,
     )
     dist.all_reduce(counts)
     return tuple(counts.tolist())
@@ -157,7 +158,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     for step in range(start_step + 1, total_steps + 1):
         start = time.perf_counter()
         micro_batches = next(batches)
-        label_tokens, input_tokens, token_slots = step_token_counts(micro_batches, env.device)
+        label_tokens, input_tokens, token_slots = step_token_counts(micro_batches)
         loss_sum, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
                                                   sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
 

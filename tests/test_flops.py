@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from fsdp_recipes.flops import active_matmul_params, peak_flops, training_flops_per_token
+from fsdp_recipes.flops import active_matmul_params, peak_flops, peak_flops_of, training_flops_per_token
 
 DIMS = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 
@@ -32,3 +32,10 @@ def test_moe_counts_only_the_routed_experts():
 
 def test_peak_flops_unknown_on_cpu():
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_peak_flops_by_the_name_torch_gives():
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == peak_flops_of("NVIDIA H200") == 989e12  # SXM
+    assert peak_flops_of("NVIDIA H200 NVL") == peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA GeForce RTX 4090") is None

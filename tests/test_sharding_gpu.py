@@ -59,6 +59,12 @@ def test_offloaded_state_lives_in_cpu_memory(runs):
     assert runs["fsdp2_offload"]["rank0"]["params_pinned"]  # pinned where an accelerator exists
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_export_gathers_into_cpu_memory(runs, name):
+    """Offloaded parameters live on the CPU, but the model computes on the GPU: the gathered weights must not."""
+    assert runs[name]["rank0"]["gpu_tensors_in_export"] == 0
+
+
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
     config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
@@ -69,3 +75,14 @@ def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
     printed = proc.stdout.split("sharding plan:\n")[1].split("training:")[0]
     assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config, WORLD)
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_cpu_config_runs_on_the_cpu_where_there_is_a_gpu(tiny, tmp_path):
+    """accelerate's use_cpu: true (the *_cpu.yaml configs) keeps the run off the GPUs."""
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2_cpu.yaml",
+         "--main_process_port", "0", "recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
+         tiny["data"], "--output_dir", tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "2",
+         "--max_seq_length", "64"])
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert not any("peak_allocated_gib" in m for m in metrics)  # logged on CUDA only
