@@ -185,6 +185,24 @@ def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     assert all_ids == sorted(tuple(tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"]) for r in ROWS)
 
 
+def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                          "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
+    ids = lambda rows: [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in rows]
+    train, _ = build_datasets(cfg(tmp_path / "d.jsonl", dataset_split="train[:10]"), TOKENIZER)
+    assert list(train["input_ids"]) == ids(ROWS[:10])
+    train, eval_set = build_datasets(cfg(tmp_path / "d.jsonl", dataset_split="train[:75%]",
+                                         eval_split="train[75%:]"), TOKENIZER)
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[:30]), ids(ROWS[30:]))
+    train, _ = build_datasets(cfg(tmp_path / "single", dataset_split="train[:5]+train[-3:]"), TOKENIZER)
+    assert list(train["input_ids"]) == ids(ROWS[:5] + ROWS[-3:])
+    train, eval_set = build_datasets(cfg(tmp_path / "dict", dataset_split="train[10:20]+test",
+                                         eval_split="test[:50%]"), TOKENIZER)
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[10:20] + ROWS[30:]), ids(ROWS[30:35]))
+
+
 def test_column_mapping_and_weighted_mixture(tmp_path):
     demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
     demo.write_jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": "x"} for i in range(10)])
@@ -226,6 +244,9 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
     (tmp_path / "header_only.csv").write_text("prompt,completion\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
+    (tmp_path / "data_folder").mkdir()
+    demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     return [
@@ -240,7 +261,22 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
         (cfg(tmp_path / "dict", eval_split="validation"), r"has no split 'validation'; its splits are \['train'\]"),
         (cfg(tmp_path / "empty_split", eval_split="test"), r"empty_split/test holds no examples"),
-        (cfg(tmp_path / "ok.jsonl", eval_split="test"), r"single file with one split: use eval_fraction"),
+        (cfg(tmp_path / "ok.jsonl", eval_split="test"),
+         r"ok.jsonl has no split 'test'; its splits are \['train'\] \(a single file holds one split: .*eval_fraction"),
+        (cfg(tmp_path / "ok.jsonl", dataset_split="validation"), r"ok.jsonl has no split 'validation'"),
+        (cfg(tmp_path / "single", eval_split="test"),
+         r"single has no split 'test'; its splits are \['train'\] \(a folder saved from a single Dataset"),
+        (cfg(tmp_path / "single", dataset_split="validation"), r"single has no split 'validation'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_split="train[:x]"), r"cannot read the split 'train\[:x\]'"),
+        (cfg(tmp_path / "data_folder", eval_split="test"),
+         r"data_folder: Unknown split \"test\". Should be one of \['train'\]"),
+        (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set; "
+                                                              r".*ok.jsonl is a local file or folder"),
+        (cfg(tmp_path / "single", dataset_config_name="en"), r"single is a local file or folder"),
+        (cfg(tmp_path / "missing.jsonl"), r"dataset_name .*missing.jsonl: no such file or folder"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="x"), r"dataset_weights must be positive numbers .* got 'x'"),
+        (cfg(f"{tmp_path}/ok.jsonl,{tmp_path}/ok.jsonl", dataset_weights="1,-0.5"), r"positive numbers .*'1,-0.5'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
     ]
