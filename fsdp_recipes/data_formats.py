@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jinja2
+
 from .config import ConfigError
 
 IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding)
@@ -86,7 +88,10 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     for column in FORMATS[fmt]:
         if fmt != "chat" and not isinstance(example[column], str):
             raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
-    text, spans = render_with_loss_spans(example, fmt, tokenizer)
+    try:
+        text, spans = render_with_loss_spans(example, fmt, tokenizer)
+    except jinja2.TemplateError as error:  # e.g. raise_exception('System role not supported') in the template
+        raise ConfigError(f"row {row}: the tokenizer's chat template refuses this conversation: {error}") from None
     if not completion_only_loss or fmt == "text":
         spans = [(0, len(text))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

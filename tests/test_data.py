@@ -288,6 +288,27 @@ def test_bad_input_gets_a_clear_error(tmp_path):
             build_datasets(config, TOKENIZER)
 
 
+# google/gemma-2-2b-it's chat template (its tokenizer_config.json).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
+    tokenizer = demo.build_tokenizer()
+    tokenizer.chat_template = GEMMA2_TEMPLATE
+    system = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
+    demo.write_jsonl(tmp_path / "chats.jsonl", [CHAT, system])
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template refuses this "
+                                          r"conversation: System role not supported$"):
+        build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
+
+
 def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
     # 11 examples on 2 ranks, batch 2, accumulation 2: the odd example is dropped, each rank gets 5 -> 1 step.
     dataset = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(11)], "labels": [[i, i] for i in range(11)]})
