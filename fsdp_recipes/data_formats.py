@@ -69,11 +69,35 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         if message["role"] != "assistant":
             continue
         prompt, turn = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (text.startswith(prompt) and text.startswith(turn)):
+        if text.startswith(turn):
+            end, located = len(turn), True
+        else:  # the turn must still hold the whole assistant message
+            end = _turn_end_before_closing(text, turn, tokenizer)
+            located = end is not None and len(prompt) < end and message["content"].strip() in text[len(prompt):end]
+        if not (text.startswith(prompt) and located):
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
-        spans.append((len(prompt), len(turn)))
+        spans.append((len(prompt), end))
     return text, spans
+
+
+def _turn_end_before_closing(text: str, turn: str, tokenizer):
+    """Where the rendering `turn` of a conversation's first messages ends inside `text`, the whole conversation's,
+    when `turn` is a prefix of `text` followed by what the template puts at the end of every conversation (Phi-3's
+    EOS after the last turn), which `text` then ends with too; None otherwise.
+
+    Compared in tokens, so that the turn cannot end inside a special token (`<|end|>` and `<|endoftext|>` share
+    their first characters).
+    """
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    text_ids, turn_ids = encoded["input_ids"], tokenizer(turn, add_special_tokens=False)["input_ids"]
+    shared = 0
+    while shared < min(len(text_ids), len(turn_ids)) and text_ids[shared] == turn_ids[shared]:
+        shared += 1
+    closing = turn_ids[shared:]
+    if not closing or shared == len(text_ids) or text_ids[-len(closing):] != closing:
+        return None
+    return encoded["offset_mapping"][shared][0]
 
 
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,

@@ -3,12 +3,14 @@
 import json
 import re
 import shutil
+import string
 
 import datasets
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -22,11 +24,11 @@ from conftest import REPO, read_metrics, torchrun
 TOKENIZER = demo.build_tokenizer()
 
 
-def loss_tokens(out: dict) -> list[str]:
+def loss_tokens(out: dict, tokenizer=TOKENIZER) -> list[str]:
     """The tokens that carry loss: those predicted (position 1 on) whose label is not ignored."""
     assert [l for l in out["labels"] if l != IGNORE_INDEX] == [t for t, l in zip(out["input_ids"], out["labels"])
                                                                if l != IGNORE_INDEX]
-    return TOKENIZER.convert_ids_to_tokens([t for t, l in zip(out["input_ids"][1:], out["labels"][1:])
+    return tokenizer.convert_ids_to_tokens([t for t, l in zip(out["input_ids"][1:], out["labels"][1:])
                                             if l != IGNORE_INDEX])
 
 
@@ -69,6 +71,179 @@ def test_default_chat_template_marks_the_assistant_turn():
     text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
     assert text.startswith("<|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
     assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n"]
+
+
+def char_tokenizer(template: str, bos: str, eos: str, special_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A hub tokenizer's behaviour for its chat template: each special token is one token, the rest one token per
+    character (newline included)."""
+    vocab = {token: i for i, token in enumerate(["<unk>"] + special_tokens + sorted(set(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token="<unk>",
+                                        additional_special_tokens=[t for t in special_tokens if t not in (bos, eos)])
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# microsoft/Phi-3.5-mini-instruct's chat template (its tokenizer_config.json): a conversation rendered without
+# generation prompt ends with the EOS, so an earlier turn rendered alone ends in an EOS the whole chat lacks there.
+PHI35_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+SYSTEM_CHAT = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
+
+
+def test_phi3_turns_end_before_the_eos_that_closes_only_the_whole_chat():
+    tokenizer = char_tokenizer(PHI35_TEMPLATE, "<s>", "<|endoftext|>",
+                               ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"])
+    text, spans = render_with_loss_spans(SYSTEM_CHAT, "chat", tokenizer)
+    assert text == ("<|system|>\nbe brief<|end|>\n<|user|>\nab<|end|>\n<|assistant|>\nba<|end|>\n<|user|>\ncd<|end|>\n"
+                    "<|assistant|>\ndc<|end|>\n<|endoftext|>")
+    assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n<|endoftext|>"]
+    out = tokenize_example(SYSTEM_CHAT, "chat", tokenizer, 128)
+    assert loss_tokens(out, tokenizer) == ["b", "a", "<|end|>", "\n", "d", "c", "<|end|>", "\n", "<|endoftext|>"]
+
+
+def test_gemma2_turns_are_the_model_turns():
+    tokenizer = char_tokenizer(GEMMA2_TEMPLATE, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"])
+    text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
+    assert text == ("<bos><start_of_turn>user\nab<end_of_turn>\n<start_of_turn>model\nba<end_of_turn>\n"
+                    "<start_of_turn>user\ncd<end_of_turn>\n<start_of_turn>model\ndc<end_of_turn>\n")
+    assert [text[s:e] for s, e in spans] == ["ba<end_of_turn>\n", "dc<end_of_turn>\n"]
+
+
+# meta-llama/Llama-3.2-1B-Instruct's chat template (its tokenizer_config.json).
+LLAMA32_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def test_llama3_turns_are_the_assistant_turns():
+    tokenizer = char_tokenizer(LLAMA32_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                               ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    text, spans = render_with_loss_spans(SYSTEM_CHAT, "chat", tokenizer)
+    assert re.fullmatch(r"<\|begin_of_text\|><\|start_header_id\|>system<\|end_header_id\|>\n\nCutting Knowledge "
+                        r"Date: December 2023\nToday Date: \d\d \w\w\w \d{4}\n\nbe brief<\|eot_id\|>"
+                        r"<\|start_header_id\|>user<\|end_header_id\|>\n\nab<\|eot_id\|>"
+                        r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\nba<\|eot_id\|>"
+                        r"<\|start_header_id\|>user<\|end_header_id\|>\n\ncd<\|eot_id\|>"
+                        r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\ndc<\|eot_id\|>", text)
+    assert [text[s:e] for s, e in spans] == ["ba<|eot_id|>", "dc<|eot_id|>"]
+
+
+def test_a_template_that_rewrites_an_earlier_turn_is_refused():
+    # Qwen3's rule: an empty <think> block only in the assistant turns after the last user message, so an earlier
+    # turn rendered alone differs from the whole chat inside the turn, not only at its end.
+    template = (
+        "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+        "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+        "{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+        "{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m.content + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    tokenizer = char_tokenizer(template, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<think>", "</think>"])
+    repeated = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"},
+                             {"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    for chat in (CHAT, repeated):
+        with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+            render_with_loss_spans(chat, "chat", tokenizer)
+    text, spans = render_with_loss_spans({"messages": CHAT["messages"][:2]}, "chat", tokenizer)
+    assert [text[s:e] for s, e in spans] == ["<think>\n\n</think>\n\nba<|im_end|>\n"]
 
 
 def test_truncation_keeps_the_first_tokens():
