@@ -114,8 +114,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
         raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
     if tokenizer.chat_template is None:
-        print_rank0("data: the tokenizer has no chat template; using the default (ChatML layout with the tokenizer's "
-                    "EOS), saved with the model")
+        print_rank0("data: the tokenizer has no chat template; using the default (the tokenizer's BOS, then ChatML "
+                    "layout with its EOS), saved with the model")
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
     def build():

@@ -15,10 +15,11 @@ FORMATS = {
     "text": ["text"],
 }
 
-# For a tokenizer without a chat template: ChatML's layout, each turn closed by the tokenizer's own EOS so that
-# generation stops there. It is saved with the model, so inference renders prompts the same way.
+# For a tokenizer without a chat template: the tokenizer's BOS (if any), as plain text gets, then ChatML's layout,
+# each turn closed by the tokenizer's own EOS so that generation stops there. It is saved with the model, so
+# inference renders prompts the same way.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 

@@ -69,8 +69,12 @@ def test_default_chat_template_marks_the_assistant_turn():
     tokenizer = demo.build_tokenizer()
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
-    assert text.startswith("<|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
+    assert text.startswith("<|bos|><|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
     assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n"]
+    # As prompt/completion and text examples, chat examples start with the BOS, and without one with the first turn.
+    assert tokens(tokenize_example(CHAT, "chat", tokenizer, 64))[0] == "<|bos|>"
+    without_bos = char_tokenizer(DEFAULT_CHAT_TEMPLATE, None, "<|end|>", ["<|end|>"])
+    assert render_with_loss_spans(CHAT, "chat", without_bos)[0].startswith("<|im_start|>user\nab<|end|>\n")
 
 
 def char_tokenizer(template: str, bos: str, eos: str, special_tokens: list[str]) -> PreTrainedTokenizerFast:
