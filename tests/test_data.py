@@ -90,6 +90,17 @@ def char_tokenizer(template: str, bos: str, eos: str, special_tokens: list[str])
     return tokenizer
 
 
+# google/gemma-2-2b-it's chat template (its tokenizer_config.json).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
 # microsoft/Phi-3.5-mini-instruct's chat template (its tokenizer_config.json): a conversation rendered without
 # generation prompt ends with the EOS, so an earlier turn rendered alone ends in an EOS the whole chat lacks there.
 PHI35_TEMPLATE = (
@@ -112,10 +123,56 @@ def test_phi3_turns_end_before_the_eos_that_closes_only_the_whole_chat():
     assert loss_tokens(out, tokenizer) == ["b", "a", "<|end|>", "\n", "d", "c", "<|end|>", "\n", "<|endoftext|>"]
 
 
-def test_gemma2_turns_are_the_model_turns():
-    tokenizer = char_tokenizer(GEMMA2_TEMPLATE, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"])
-    text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
-    assert text == ("<bos><start_of_turn>user\nab<end_of_turn>\n<start_of_turn>model\nba<end_of_turn>\n"
+# google/gemma-3-1b-it's chat template (its tokenizer_config.json): the system message opens the first user turn.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.mark.parametrize("template, chat, system", [(GEMMA2_TEMPLATE, CHAT, ""), (GEMMA3_TEMPLATE, SYSTEM_CHAT,
+                                                                                  "be brief\n\n")])
+def test_gemma_turns_are_the_model_turns(template, chat, system):
+    tokenizer = char_tokenizer(template, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"])
+    text, spans = render_with_loss_spans(chat, "chat", tokenizer)
+    assert text == (f"<bos><start_of_turn>user\n{system}ab<end_of_turn>\n<start_of_turn>model\nba<end_of_turn>\n"
                     "<start_of_turn>user\ncd<end_of_turn>\n<start_of_turn>model\ndc<end_of_turn>\n")
     assert [text[s:e] for s, e in spans] == ["ba<end_of_turn>\n", "dc<end_of_turn>\n"]
 
@@ -465,17 +522,6 @@ def test_bad_input_gets_a_clear_error(tmp_path):
     for config, message in bad_input_cases(tmp_path):
         with pytest.raises(ConfigError, match=message):
             build_datasets(config, TOKENIZER)
-
-
-# google/gemma-2-2b-it's chat template (its tokenizer_config.json).
-GEMMA2_TEMPLATE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
-    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
-)
 
 
 def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
