@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
-from .data_sources import carve_eval, load_sources, parse_column_mapping, weighted_sample
+from .data_sources import carve_eval, load_sources, parse_column_mapping, parse_weights, weighted_sample
 from .distributed import print_rank0
 
 
@@ -108,14 +108,14 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     Rank 0 builds first and fills the datasets cache; the other ranks then read it (see on_rank0_first).
     """
     names = [n.strip() for n in cfg.dataset_name.split(",")]
-    weights = [float(w) for w in cfg.dataset_weights.split(",")] if cfg.dataset_weights else [1.0] * len(names)
+    weights = parse_weights(cfg.dataset_weights) if cfg.dataset_weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")
     if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
         raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
     if tokenizer.chat_template is None:
-        print_rank0("data: the tokenizer has no chat template; using the default (ChatML layout with the tokenizer's "
-                    "EOS), saved with the model")
+        print_rank0("data: the tokenizer has no chat template; using the default (the tokenizer's BOS, then ChatML "
+                    "layout with its EOS), saved with the model")
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
     def build():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jinja2
+
 from .config import ConfigError
 
 IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding)
@@ -13,10 +15,11 @@ FORMATS = {
     "text": ["text"],
 }
 
-# For a tokenizer without a chat template: ChatML's layout, each turn closed by the tokenizer's own EOS so that
-# generation stops there. It is saved with the model, so inference renders prompts the same way.
+# For a tokenizer without a chat template: the tokenizer's BOS (if any), as plain text gets, then ChatML's layout,
+# each turn closed by the tokenizer's own EOS so that generation stops there. It is saved with the model, so
+# inference renders prompts the same way.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -67,11 +70,35 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         if message["role"] != "assistant":
             continue
         prompt, turn = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (text.startswith(prompt) and text.startswith(turn)):
+        if text.startswith(turn):
+            end, located = len(turn), True
+        else:  # the turn must still hold the whole assistant message
+            end = _turn_end_before_closing(text, turn, tokenizer)
+            located = end is not None and len(prompt) < end and message["content"].strip() in text[len(prompt):end]
+        if not (text.startswith(prompt) and located):
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
-        spans.append((len(prompt), len(turn)))
+        spans.append((len(prompt), end))
     return text, spans
+
+
+def _turn_end_before_closing(text: str, turn: str, tokenizer):
+    """Where the rendering `turn` of a conversation's first messages ends inside `text`, the whole conversation's,
+    when `turn` is a prefix of `text` followed by what the template puts at the end of every conversation (Phi-3's
+    EOS after the last turn), which `text` then ends with too; None otherwise.
+
+    Compared in tokens, so that the turn cannot end inside a special token (`<|end|>` and `<|endoftext|>` share
+    their first characters).
+    """
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    text_ids, turn_ids = encoded["input_ids"], tokenizer(turn, add_special_tokens=False)["input_ids"]
+    shared = 0
+    while shared < min(len(text_ids), len(turn_ids)) and text_ids[shared] == turn_ids[shared]:
+        shared += 1
+    closing = turn_ids[shared:]
+    if not closing or shared == len(text_ids) or text_ids[-len(closing):] != closing:
+        return None
+    return encoded["offset_mapping"][shared][0]
 
 
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,
@@ -86,7 +113,10 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     for column in FORMATS[fmt]:
         if fmt != "chat" and not isinstance(example[column], str):
             raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
-    text, spans = render_with_loss_spans(example, fmt, tokenizer)
+    try:
+        text, spans = render_with_loss_spans(example, fmt, tokenizer)
+    except jinja2.TemplateError as error:  # e.g. raise_exception('System role not supported') in the template
+        raise ConfigError(f"row {row}: the tokenizer's chat template refuses this conversation: {error}") from None
     if not completion_only_loss or fmt == "text":
         spans = [(0, len(text))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

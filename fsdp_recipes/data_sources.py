@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import datasets
 
@@ -49,39 +51,90 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
 
 
 def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Dataset:
-    """One split of a hub data set, a local json/jsonl/csv/parquet file (its only split), or a saved folder."""
+    """The rows `split` names of a hub data set, a local json/jsonl/csv/parquet file or a saved folder.
+
+    `split` is a split name, a slice of one ('train[:1000]', 'train[90%:]') or several joined by '+', as
+    `datasets` reads them. A file, and a folder saved from a single Dataset, hold one split: 'train'.
+    """
+    instruction = _parse_split(name, split)
+    local = os.path.exists(name)
+    if not local and (os.path.splitext(name)[1] in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
+        raise ConfigError(f"dataset_name {name}: no such file or folder")
+    if local and config_name:
+        raise ConfigError(f"dataset_config_name {config_name} is for a Hub data set; {name} is a local file or "
+                          "folder: remove dataset_config_name")
     if os.path.isfile(name):
-        builder = _FILE_BUILDERS.get(os.path.splitext(name)[1])
-        if builder is None:
-            raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
-        if os.path.getsize(name) == 0:
-            raise ConfigError(f"{name} is empty: it holds no examples")
-        try:
-            dataset = datasets.load_dataset(builder, data_files={"train": name}, split="train")
-        except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
-            if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
-                raise ConfigError(f"{name} holds no examples") from None
-            raise _parse_error(name, error) from error
+        dataset = _take_split(name, split, instruction, {"train": lambda: _load_file(name)},
+                              "a single file holds one split")
     elif os.path.isdir(name) and _is_saved_folder(name):
-        dataset = _load_saved_folder(name, split)
+        dataset = _load_saved_folder(name, split, instruction)
     else:
-        dataset = datasets.load_dataset(name, config_name, split=split)
+        try:
+            dataset = datasets.load_dataset(name, config_name, split=split)
+        except ValueError as error:
+            if "Unknown split" not in str(error):
+                raise
+            raise ConfigError(f"{name}: {error}") from None  # datasets' words list the splits that exist
+        except FileNotFoundError as error:  # datasets' DatasetNotFoundError among them
+            raise ConfigError(f"dataset_name {name}: {error}") from None
     if len(dataset) == 0:
         raise ConfigError(f"{name} (split {split}) holds no examples")
     return dataset
 
 
-def _load_saved_folder(name: str, split: str) -> datasets.Dataset:
-    """A `save_to_disk` folder: a Dataset, or the one split wanted of a DatasetDict, read alone so that another
-    split cannot break the load."""
-    path = name
+def _parse_split(name: str, split: str) -> datasets.ReadInstruction:
+    try:
+        return datasets.ReadInstruction.from_spec(split)
+    except (ValueError, AssertionError) as error:
+        raise ConfigError(f"{name}: cannot read the split '{split}' ({error}); give a split name, a slice such as "
+                          "'train[:1000]' or 'train[90%:]', or several joined by '+'") from None
+
+
+def _take_split(name: str, split: str, instruction: datasets.ReadInstruction,
+                loaders: dict[str, Callable[[], datasets.Dataset]], single: Optional[str] = None) -> datasets.Dataset:
+    """The rows of `split` (names and slices) among the splits that `loaders` read; each named split is read once,
+    and only those named."""
+    try:  # lengths 0: only the names are checked here
+        wanted = dict.fromkeys(part.splitname for part in instruction.to_absolute(dict.fromkeys(loaders, 0)))
+    except ValueError:
+        hint = (f" ({single}: slices such as 'train[:1000]' select rows; hold out examples with eval_fraction, or "
+                "save a DatasetDict with save_to_disk)") if single else ""
+        raise ConfigError(f"{name} has no split '{split}'; its splits are {list(loaders)}{hint}") from None
+    loaded = {splitname: loaders[splitname]() for splitname in wanted}
+    parts = [loaded[part.splitname] if (part.from_, part.to) == (0, len(loaded[part.splitname]))
+             else loaded[part.splitname].select(range(part.from_, part.to))
+             for part in instruction.to_absolute({splitname: len(d) for splitname, d in loaded.items()})]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _load_file(name: str) -> datasets.Dataset:
+    builder = _FILE_BUILDERS.get(os.path.splitext(name)[1])
+    if builder is None:
+        raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
+    if os.path.getsize(name) == 0:
+        raise ConfigError(f"{name} is empty: it holds no examples")
+    try:
+        return datasets.load_dataset(builder, data_files={"train": name}, split="train")
+    except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
+        if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
+            raise ConfigError(f"{name} holds no examples") from None
+        raise _parse_error(name, error) from error
+
+
+def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
+    """A `save_to_disk` folder: a Dataset (its one split, 'train'), or the splits wanted of a DatasetDict, each
+    read alone so that another split cannot break the load."""
     dict_file = os.path.join(name, "dataset_dict.json")
-    if os.path.isfile(dict_file):
-        with open(dict_file) as f:
-            splits = json.load(f)["splits"]
-        if split not in splits:
-            raise ConfigError(f"{name} has no split '{split}'; its splits are {splits}")
-        path = os.path.join(name, split)
+    if not os.path.isfile(dict_file):
+        return _take_split(name, split, instruction, {"train": lambda: _load_from_disk(name)},
+                           "a folder saved from a single Dataset holds one split")
+    with open(dict_file) as f:
+        splits = json.load(f)["splits"]
+    loaders = {splitname: functools.partial(_load_from_disk, os.path.join(name, splitname)) for splitname in splits}
+    return _take_split(name, split, instruction, loaders)
+
+
+def _load_from_disk(path: str) -> datasets.Dataset:
     try:
         return datasets.load_from_disk(path)
     except IndexError:  # datasets cannot read back a split saved with no rows
@@ -98,6 +151,18 @@ def parse_column_mapping(mapping: Optional[str]) -> dict[str, str]:
     return {source.strip(): target.strip() for source, target in pairs}
 
 
+def parse_weights(weights: str) -> list[float]:
+    """'1,0.5' -> [1.0, 0.5]; each weight a positive number."""
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < w < math.inf for w in values):
+        raise ConfigError(f"dataset_weights must be positive numbers separated by commas, such as '1,0.5', "
+                          f"got '{weights}'")
+    return values
+
+
 def rename_columns(dataset: datasets.Dataset, mapping: dict[str, str]) -> datasets.Dataset:
     present = {source: target for source, target in mapping.items() if source in dataset.column_names}
     return dataset.rename_columns(present) if present else dataset
@@ -109,11 +174,7 @@ def load_sources(names: list[str], config_name: Optional[str], split: str, eval_
     sources = []
     for name in names:
         train = load_split(name, config_name, split)
-        held_out = None
-        if eval_split:
-            if os.path.isfile(name):
-                raise ConfigError(f"{name} is a single file with one split: use eval_fraction instead of eval_split")
-            held_out = load_split(name, config_name, eval_split)
+        held_out = load_split(name, config_name, eval_split) if eval_split else None
         sources.append((train, held_out))
     found = sorted({c for train, _ in sources for c in train.column_names})
     for source in column_mapping:

@@ -9,12 +9,21 @@ from transformers import AutoConfig
 from .config import ConfigError, TrainConfig
 
 
+# The attention implementations that compute a model type exactly, checked by every recipe (the generic sft.py
+# too); a recipe's MODEL_TYPES may narrow them further.
+EXACT_ATTENTION: dict[str, tuple[str, ...]] = {
+    # Attention soft-capping: transformers 5.17 runs sdpa without it (later versions refuse sdpa).
+    "gemma2": ("eager", "flash_attention_2", "flex_attention"),
+}
+
+
 def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:
     """The model must be one of the recipe's model types, with an attention implementation that computes it exactly.
 
     A recipe's YAML holds defaults for its family (e.g. Gemma 2's eager attention), so another family's model is
     refused rather than trained with them. `model_types` maps config.json's model_type to the attention
-    implementations allowed for it (None: any); `model_types` None (the generic recipe) takes every model type.
+    implementations the recipe allows for it (None: those of EXACT_ATTENTION, or any); `model_types` None (the
+    generic recipe) takes every model type, with the attention implementations of EXACT_ATTENTION.
     """
     if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
         raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
@@ -23,6 +32,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     except OSError as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(f"model_name_or_path: {e}") from e
     recipe = os.path.basename(recipe)
+    _check_attention(cfg, config.model_type, EXACT_ATTENTION.get(config.model_type), "fsdp_recipes/families.py")
     if model_types is None:
         return
     if config.model_type not in model_types:
@@ -31,9 +41,10 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
             f"model: run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
             f"`make new-recipe MODEL={config.model_type}`"
         )
-    allowed = model_types[config.model_type]
+    _check_attention(cfg, config.model_type, model_types[config.model_type], recipe)
+
+
+def _check_attention(cfg: TrainConfig, model_type: str, allowed: tuple[str, ...] | None, source: str) -> None:
     if allowed is not None and cfg.attn_implementation not in allowed:
-        raise ConfigError(
-            f"{config.model_type} models need attn_implementation {' or '.join(allowed)} (see {recipe}), "
-            f"got {cfg.attn_implementation}"
-        )
+        raise ConfigError(f"{model_type} models need attn_implementation {' or '.join(allowed)} (see {source}), "
+                          f"got {cfg.attn_implementation}")

@@ -10,15 +10,25 @@ from .metrics import MetricsLogger
 
 
 @torch.no_grad()
+def load_exported_model(model_dir: str, attn_implementation: str, device: torch.device,
+                        trust_remote_code: bool = False):
+    """The exported folder in eval mode, with the run's attention implementation: config.json does not record it,
+    and transformers' default (sdpa where the model allows it) would skip Gemma 2's attention soft-capping in 5.17."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
 def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, use_chat_template: bool,
-                     device: torch.device, trust_remote_code: bool = False) -> list[dict]:
-    """Greedy answers of the model folder `model_dir` (loaded with from_pretrained) to each prompt, one at a time.
+                     device: torch.device, attn_implementation: str,
+                     trust_remote_code: bool = False) -> list[dict]:
+    """Greedy answers of the model folder `model_dir` (see load_exported_model) to each prompt, one at a time.
 
     With use_chat_template each prompt is a user turn followed by the assistant's generation prompt, as chat and
     instruction data are trained; otherwise it is plain text after the BOS token, as prompt/completion data are.
     """
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code).to(device).eval()
+    model = load_exported_model(model_dir, attn_implementation, device, trust_remote_code)
     samples = []
     for prompt in prompts:
         if use_chat_template:
@@ -40,7 +50,8 @@ def log_sample_generations(cfg: TrainConfig, model_dir: str, device: torch.devic
     if not cfg.generation_prompts or not logger.is_main:
         return
     samples = generate_samples(model_dir, cfg.generation_prompts, cfg.generation_max_new_tokens,
-                               cfg.generation_use_chat_template, device, cfg.trust_remote_code)
+                               cfg.generation_use_chat_template, device, cfg.attn_implementation,
+                               cfg.trust_remote_code)
     for sample in samples:
         print(f"sample: {sample['prompt']!r} -> {sample['completion']!r}", flush=True)
     logger.log_samples(samples)

@@ -40,11 +40,9 @@ from fsdp_recipes.trainer import train
 # ---- What this recipe holds of its own (the rest of the file is shared) ----
 # config.json's model_type values this recipe trains, each with the attention implementations that compute the
 # model exactly (None: any). The YAML config holds the rest: hub id, learning rate, sequence length.
-MODEL_TYPES = {
-    # Attention soft-capping: sdpa would skip it.
-    "gemma2": ("eager", "flash_attention_2", "flex_attention"),
-    "gemma3_text": None,
-}
+# Gemma 2's attention implementations (eager, flash or flex: sdpa would skip soft-capping) are those of
+# fsdp_recipes/families.py's EXACT_ATTENTION, which every recipe checks.
+MODEL_TYPES = {"gemma2": None, "gemma3_text": None}
 # ---- Shared by every recipe (tests/test_recipes.py keeps it identical, so a fix reaches them all) ----
 
 

@@ -3,12 +3,14 @@
 import json
 import re
 import shutil
+import string
 
 import datasets
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -22,11 +24,11 @@ from conftest import REPO, read_metrics, torchrun
 TOKENIZER = demo.build_tokenizer()
 
 
-def loss_tokens(out: dict) -> list[str]:
+def loss_tokens(out: dict, tokenizer=TOKENIZER) -> list[str]:
     """The tokens that carry loss: those predicted (position 1 on) whose label is not ignored."""
     assert [l for l in out["labels"] if l != IGNORE_INDEX] == [t for t, l in zip(out["input_ids"], out["labels"])
                                                                if l != IGNORE_INDEX]
-    return TOKENIZER.convert_ids_to_tokens([t for t, l in zip(out["input_ids"][1:], out["labels"][1:])
+    return tokenizer.convert_ids_to_tokens([t for t, l in zip(out["input_ids"][1:], out["labels"][1:])
                                             if l != IGNORE_INDEX])
 
 
@@ -67,8 +69,242 @@ def test_default_chat_template_marks_the_assistant_turn():
     tokenizer = demo.build_tokenizer()
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
-    assert text.startswith("<|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
+    assert text.startswith("<|bos|><|im_start|>user\nab<|end|>\n<|im_start|>assistant\nba<|end|>\n")
     assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n"]
+    # As prompt/completion and text examples, chat examples start with the BOS, and without one with the first turn.
+    assert tokens(tokenize_example(CHAT, "chat", tokenizer, 64))[0] == "<|bos|>"
+    without_bos = char_tokenizer(DEFAULT_CHAT_TEMPLATE, None, "<|end|>", ["<|end|>"])
+    assert render_with_loss_spans(CHAT, "chat", without_bos)[0].startswith("<|im_start|>user\nab<|end|>\n")
+
+
+def char_tokenizer(template: str, bos: str, eos: str, special_tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A hub tokenizer's behaviour for its chat template: each special token is one token, the rest one token per
+    character (newline included)."""
+    vocab = {token: i for i, token in enumerate(["<unk>"] + special_tokens + sorted(set(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, unk_token="<unk>",
+                                        additional_special_tokens=[t for t in special_tokens if t not in (bos, eos)])
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# google/gemma-2-2b-it's chat template (its tokenizer_config.json).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+# microsoft/Phi-3.5-mini-instruct's chat template (its tokenizer_config.json): a conversation rendered without
+# generation prompt ends with the EOS, so an earlier turn rendered alone ends in an EOS the whole chat lacks there.
+PHI35_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}{{'<|system|>\n' + "
+    "message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+SYSTEM_CHAT = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
+
+
+def test_phi3_turns_end_before_the_eos_that_closes_only_the_whole_chat():
+    tokenizer = char_tokenizer(PHI35_TEMPLATE, "<s>", "<|endoftext|>",
+                               ["<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"])
+    text, spans = render_with_loss_spans(SYSTEM_CHAT, "chat", tokenizer)
+    assert text == ("<|system|>\nbe brief<|end|>\n<|user|>\nab<|end|>\n<|assistant|>\nba<|end|>\n<|user|>\ncd<|end|>\n"
+                    "<|assistant|>\ndc<|end|>\n<|endoftext|>")
+    assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n<|endoftext|>"]
+    out = tokenize_example(SYSTEM_CHAT, "chat", tokenizer, 128)
+    assert loss_tokens(out, tokenizer) == ["b", "a", "<|end|>", "\n", "d", "c", "<|end|>", "\n", "<|endoftext|>"]
+
+
+# google/gemma-3-1b-it's chat template (its tokenizer_config.json): the system message opens the first user turn.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+@pytest.mark.parametrize("template, chat, system", [(GEMMA2_TEMPLATE, CHAT, ""), (GEMMA3_TEMPLATE, SYSTEM_CHAT,
+                                                                                  "be brief\n\n")])
+def test_gemma_turns_are_the_model_turns(template, chat, system):
+    tokenizer = char_tokenizer(template, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"])
+    text, spans = render_with_loss_spans(chat, "chat", tokenizer)
+    assert text == (f"<bos><start_of_turn>user\n{system}ab<end_of_turn>\n<start_of_turn>model\nba<end_of_turn>\n"
+                    "<start_of_turn>user\ncd<end_of_turn>\n<start_of_turn>model\ndc<end_of_turn>\n")
+    assert [text[s:e] for s, e in spans] == ["ba<end_of_turn>\n", "dc<end_of_turn>\n"]
+
+
+# meta-llama/Llama-3.2-1B-Instruct's chat template (its tokenizer_config.json).
+LLAMA32_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message #}
+{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\n" }}
+{{- "Today Date: " + date_string + "\n\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{#- Custom tools are passed in a user message with some extra guidance #}
+{%- if tools_in_user_message and not tools is none %}
+    {#- Extract the first user message so we can plug it in here #}
+    {%- if messages | length != 0 %}
+        {%- set first_user_message = messages[0]['content']|trim %}
+        {%- set messages = messages[1:] %}
+    {%- else %}
+        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
+{%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\n\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def test_llama3_turns_are_the_assistant_turns():
+    tokenizer = char_tokenizer(LLAMA32_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                               ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    text, spans = render_with_loss_spans(SYSTEM_CHAT, "chat", tokenizer)
+    assert re.fullmatch(r"<\|begin_of_text\|><\|start_header_id\|>system<\|end_header_id\|>\n\nCutting Knowledge "
+                        r"Date: December 2023\nToday Date: \d\d \w\w\w \d{4}\n\nbe brief<\|eot_id\|>"
+                        r"<\|start_header_id\|>user<\|end_header_id\|>\n\nab<\|eot_id\|>"
+                        r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\nba<\|eot_id\|>"
+                        r"<\|start_header_id\|>user<\|end_header_id\|>\n\ncd<\|eot_id\|>"
+                        r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\ndc<\|eot_id\|>", text)
+    assert [text[s:e] for s, e in spans] == ["ba<|eot_id|>", "dc<|eot_id|>"]
+
+
+def test_a_template_that_rewrites_an_earlier_turn_is_refused():
+    # Qwen3's rule: an empty <think> block only in the assistant turns after the last user message, so an earlier
+    # turn rendered alone differs from the whole chat inside the turn, not only at its end.
+    template = (
+        "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+        "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+        "{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+        "{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m.content + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    tokenizer = char_tokenizer(template, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<think>", "</think>"])
+    repeated = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"},
+                             {"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
+    for chat in (CHAT, repeated):
+        with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+            render_with_loss_spans(chat, "chat", tokenizer)
+    text, spans = render_with_loss_spans({"messages": CHAT["messages"][:2]}, "chat", tokenizer)
+    assert [text[s:e] for s, e in spans] == ["<think>\n\n</think>\n\nba<|im_end|>\n"]
 
 
 def test_truncation_keeps_the_first_tokens():
@@ -185,6 +421,24 @@ def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     assert all_ids == sorted(tuple(tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"]) for r in ROWS)
 
 
+def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                          "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
+    ids = lambda rows: [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in rows]
+    train, _ = build_datasets(cfg(tmp_path / "d.jsonl", dataset_split="train[:10]"), TOKENIZER)
+    assert list(train["input_ids"]) == ids(ROWS[:10])
+    train, eval_set = build_datasets(cfg(tmp_path / "d.jsonl", dataset_split="train[:75%]",
+                                         eval_split="train[75%:]"), TOKENIZER)
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[:30]), ids(ROWS[30:]))
+    train, _ = build_datasets(cfg(tmp_path / "single", dataset_split="train[:5]+train[-3:]"), TOKENIZER)
+    assert list(train["input_ids"]) == ids(ROWS[:5] + ROWS[-3:])
+    train, eval_set = build_datasets(cfg(tmp_path / "dict", dataset_split="train[10:20]+test",
+                                         eval_split="test[:50%]"), TOKENIZER)
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[10:20] + ROWS[30:]), ids(ROWS[30:35]))
+
+
 def test_column_mapping_and_weighted_mixture(tmp_path):
     demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
     demo.write_jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": "x"} for i in range(10)])
@@ -226,6 +480,9 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
     (tmp_path / "header_only.csv").write_text("prompt,completion\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
+    datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
+    (tmp_path / "data_folder").mkdir()
+    demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     return [
@@ -240,7 +497,22 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
         (cfg(tmp_path / "dict", eval_split="validation"), r"has no split 'validation'; its splits are \['train'\]"),
         (cfg(tmp_path / "empty_split", eval_split="test"), r"empty_split/test holds no examples"),
-        (cfg(tmp_path / "ok.jsonl", eval_split="test"), r"single file with one split: use eval_fraction"),
+        (cfg(tmp_path / "ok.jsonl", eval_split="test"),
+         r"ok.jsonl has no split 'test'; its splits are \['train'\] \(a single file holds one split: .*eval_fraction"),
+        (cfg(tmp_path / "ok.jsonl", dataset_split="validation"), r"ok.jsonl has no split 'validation'"),
+        (cfg(tmp_path / "single", eval_split="test"),
+         r"single has no split 'test'; its splits are \['train'\] \(a folder saved from a single Dataset"),
+        (cfg(tmp_path / "single", dataset_split="validation"), r"single has no split 'validation'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_split="train[:x]"), r"cannot read the split 'train\[:x\]'"),
+        (cfg(tmp_path / "data_folder", eval_split="test"),
+         r"data_folder: Unknown split \"test\". Should be one of \['train'\]"),
+        (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set; "
+                                                              r".*ok.jsonl is a local file or folder"),
+        (cfg(tmp_path / "single", dataset_config_name="en"), r"single is a local file or folder"),
+        (cfg(tmp_path / "missing.jsonl"), r"dataset_name .*missing.jsonl: no such file or folder"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="x"), r"dataset_weights must be positive numbers .* got 'x'"),
+        (cfg(f"{tmp_path}/ok.jsonl,{tmp_path}/ok.jsonl", dataset_weights="1,-0.5"), r"positive numbers .*'1,-0.5'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
     ]
@@ -250,6 +522,16 @@ def test_bad_input_gets_a_clear_error(tmp_path):
     for config, message in bad_input_cases(tmp_path):
         with pytest.raises(ConfigError, match=message):
             build_datasets(config, TOKENIZER)
+
+
+def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
+    tokenizer = demo.build_tokenizer()
+    tokenizer.chat_template = GEMMA2_TEMPLATE
+    system = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
+    demo.write_jsonl(tmp_path / "chats.jsonl", [CHAT, system])
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template refuses this "
+                                          r"conversation: System role not supported$"):
+        build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
 
 
 def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():

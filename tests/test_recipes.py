@@ -204,6 +204,12 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     with pytest.raises(ConfigError, match="gemma2 models need attn_implementation eager .* got sdpa"):
         check_model_type(parse_config(args + ["--attn_implementation", "sdpa"]),
                          {"gemma2": ("eager",)}, "gemma_sft.py")
+    # The generic recipe takes every model type, but not Gemma 2 with sdpa either.
+    generic = ["--config", "recipes/configs/sft.yaml", "--model_name_or_path", str(gemma2), "--dataset_name", "d"]
+    check_model_type(parse_config(generic + ["--attn_implementation", "eager"]), None, "recipes/sft.py")
+    with pytest.raises(ConfigError, match=r"gemma2 models need attn_implementation eager or flash_attention_2 or "
+                                          r"flex_attention \(see fsdp_recipes/families.py\), got sdpa"):
+        check_model_type(parse_config(generic), None, "recipes/sft.py")
     with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: .*"
                                           r"`make new-recipe MODEL=gemma2`"):
         check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
