@@ -9,7 +9,6 @@ from .config import TrainConfig
 from .metrics import MetricsLogger
 
 
-@torch.no_grad()
 def load_exported_model(model_dir: str, attn_implementation: str, device: torch.device,
                         trust_remote_code: bool = False):
     """The exported folder in eval mode, with the run's attention implementation: config.json does not record it,
@@ -19,6 +18,7 @@ def load_exported_model(model_dir: str, attn_implementation: str, device: torch.
     return model.to(device).eval()
 
 
+@torch.no_grad()
 def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, use_chat_template: bool,
                      device: torch.device, attn_implementation: str,
                      trust_remote_code: bool = False) -> list[dict]:
