@@ -379,20 +379,7 @@ def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
 def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and (same world size only) RNG states. Every rank calls this."""
     state = validate_checkpoint(path)
-    if state["format"] == "sharded":
-        model_sd = get_model_state_dict(model)
-        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
-        set_model_state_dict(model, model_sd)
-    else:
-        full = {}
-        if dist.get_rank() == 0:
-            for file in _safetensors_files(path):
-                with safe_open(file, "pt") as f:
-                    full.update({name: f.get_tensor(name) for name in f.keys()})
-            for name in tied_parameter_names(model):
-                full[name] = full[_tied_source(model, name)]
-        # strict (the default): a missing or unexpected weight is an error.
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    load_model_weights(path, state["format"], model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
     dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
     set_optimizer_state_dict(model, optimizer, optim_sd)
@@ -404,6 +391,24 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
                     f"{dist.get_world_size()}: RNG states are not restored")
     print_rank0(f"resumed from {path} at step {state['step']}")
     return state
+
+
+def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
+    """Load the checkpoint's weights into the sharded model (every rank calls this)."""
+    if fmt == "sharded":
+        model_sd = get_model_state_dict(model)
+        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
+        set_model_state_dict(model, model_sd)
+        return
+    full = {}
+    if dist.get_rank() == 0:
+        for file in _safetensors_files(path):
+            with safe_open(file, "pt") as f:
+                full.update({name: f.get_tensor(name) for name in f.keys()})
+        for name in tied_parameter_names(model):
+            full[name] = full[_tied_source(model, name)]
+    # strict (the default): a missing or unexpected weight is an error.
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _tied_source(model: nn.Module, tied_name: str) -> str:
