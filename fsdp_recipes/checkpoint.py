@@ -147,12 +147,13 @@ def previous_run(output_dir: str) -> list[str]:
 
 
 def prepare_output_dir(cfg: TrainConfig) -> None:
-    """Every rank calls this before loading anything. A fresh run (no resume) into an output_dir that holds an
-    earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with them
-    (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, rank 0 removes them."""
+    """Every rank calls this before loading anything. A fresh run (or a resume from a checkpoint elsewhere) into an
+    output_dir that holds an earlier run's checkpoints or final/ is refused: it would overwrite them, and its
+    checkpoints would mix with them (retention keeps the highest steps, whichever run wrote them). With
+    overwrite_output_dir, rank 0 removes them."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
+    inside = resume and (resume == "auto" or os.path.abspath(resume).startswith(os.path.abspath(out) + os.sep))
     if cfg.overwrite_output_dir:
-        inside = resume and (resume == "auto" or os.path.abspath(resume).startswith(os.path.abspath(out) + os.sep))
         if inside:
             raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
                               f"{resume} resumes from one of them: pass only one of the two")
@@ -167,12 +168,13 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                     os.remove(path)
         dist.barrier()  # no rank goes on while rank 0 is removing
         return
-    if resume and resume != "auto":
-        return  # an explicit checkpoint: the run continues it, in whatever output_dir it is given
     previous = previous_run(out)
-    if not previous or (resume == "auto" and LATEST_NAME in previous):
-        return
+    if not previous or (inside and resume != "auto") or (resume == "auto" and LATEST_NAME in previous):
+        return  # nothing to overwrite, or the run resumes from its own output_dir
     start_over = "--overwrite_output_dir true to remove them and start over, or another output_dir"
+    if resume and resume != "auto":
+        raise ConfigError(f"{out} holds {', '.join(previous)} of another run than {resume}'s, which this run would "
+                          f"overwrite or mix with its own: pass {start_over}")
     if resume != "auto":
         raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
                           f"or mix with its own: pass --resume_from_checkpoint auto (or a checkpoint folder) to "

@@ -340,7 +340,11 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
                                           f"output_dir"):
         prepare_output_dir(config(tmp_path))
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))  # `latest` names the one to resume
-    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "/elsewhere/checkpoint-2"))
+    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")))
+    with pytest.raises(ConfigError, match="holds checkpoint-4, checkpoint-6, latest, final of another run than "
+                                          "/elsewhere/checkpoint-2's, which this run would overwrite or mix with its "
+                                          "own: pass --overwrite_output_dir true"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "/elsewhere/checkpoint-2"))
     with pytest.raises(ConfigError, match="overwrite_output_dir true removes the checkpoints in .* pass only one"):
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "true"))
     with pytest.raises(ConfigError, match="resumes from one of them"):
