@@ -48,6 +48,19 @@ LATEST_NAME = "latest"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # Config entries that may differ between a checkpoint and the run resuming it.
 _RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path"}
+# Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
+# points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
+# back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
+# The batch layout is compared as the global batch size (see training_config_differences). max_steps and
+# num_train_epochs may change (a run is extended): the scheduler then follows the new total from the resumed step.
+_RESUME_KEYS = (
+    "dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
+    "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
+    "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+)
+# What a run writes into output_dir; --overwrite_output_dir removes these (and checkpoint-* folders) first.
+_RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "samples.jsonl")
 
 
 class CheckpointError(ConfigError):
@@ -127,6 +140,54 @@ def checkpoint_steps(output_dir: str) -> list[int]:
     return sorted(int(m.group(1)) for m in matches if m)
 
 
+def previous_run(output_dir: str) -> list[str]:
+    """The checkpoint-<step> folders, `latest` and final/ of an earlier run in `output_dir`."""
+    found = [f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]
+    return found + [name for name in (LATEST_NAME, "final") if os.path.exists(os.path.join(output_dir, name))]
+
+
+def prepare_output_dir(cfg: TrainConfig) -> None:
+    """Every rank calls this before loading anything. A fresh run (or a resume from a checkpoint elsewhere) into an
+    output_dir that holds an earlier run's checkpoints or final/ is refused: it would overwrite them, and its
+    checkpoints would mix with them (retention keeps the highest steps, whichever run wrote them). With
+    overwrite_output_dir, rank 0 removes them."""
+    resume, out = cfg.resume_from_checkpoint, cfg.output_dir
+    inside = resume and (resume == "auto" or os.path.abspath(resume).startswith(os.path.abspath(out) + os.sep))
+    if cfg.overwrite_output_dir:
+        if inside:
+            raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
+                              f"{resume} resumes from one of them: pass only one of the two")
+        if dist.get_rank() == 0 and os.path.isdir(out):
+            for name in os.listdir(out):
+                path = os.path.join(out, name)
+                if not (name in _RUN_OUTPUTS or name.startswith("checkpoint-")):
+                    continue  # not written by a run (e.g. a wandb folder): left alone
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+        dist.barrier()  # no rank goes on while rank 0 is removing
+        return
+    previous = previous_run(out)
+    if not previous or (inside and resume != "auto") or (resume == "auto" and LATEST_NAME in previous):
+        return  # nothing to overwrite, or the run resumes from its own output_dir
+    start_over = "--overwrite_output_dir true to remove them and start over, or another output_dir"
+    if resume and resume != "auto":
+        raise ConfigError(f"{out} holds {', '.join(previous)} of another run than {resume}'s, which this run would "
+                          f"overwrite or mix with its own: pass {start_over}")
+    if resume != "auto":
+        raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
+                          f"or mix with its own: pass --resume_from_checkpoint auto (or a checkpoint folder) to "
+                          f"continue that run, {start_over}")
+    # A complete checkpoint without `latest` (removed, or a kill between the first rename and `latest`): which one
+    # to continue is the user's choice, not a guess.
+    steps = checkpoint_steps(out)
+    resume_one = (f"pass --resume_from_checkpoint {os.path.join(out, f'checkpoint-{steps[-1]}')} (the newest) or "
+                  f"another of them to continue, " if steps else "")
+    raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
+                      f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
+
+
 def validate_checkpoint(path: str) -> dict:
     """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable."""
     if path.rstrip("/").endswith(".tmp"):
@@ -150,9 +211,16 @@ def validate_checkpoint(path: str) -> dict:
             except Exception as error:
                 raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
     read_dcp_metadata(os.path.join(path, "optimizer"))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} is incomplete: config.json is missing")
     for rank in range(state["world_size"]):
-        if not os.path.isfile(os.path.join(path, "rng", f"rank_{rank}.pt")):
+        rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
+        if not os.path.isfile(rng_file):
             raise CheckpointError(f"{path} is incomplete: rng/rank_{rank}.pt is missing")
+        try:  # a few KB each: read now, so that a bad one stops the resume before anything else happens
+            torch.load(rng_file, weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"{rng_file} is corrupt or truncated ({type(error).__name__}: {error})") from None
     return state
 
 
@@ -185,7 +253,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module) -> Optional[str]:
             return None
         with open(latest) as f:
             path = os.path.join(cfg.output_dir, f.read().strip())
-    validate_checkpoint(path)
+    state = validate_checkpoint(path)
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
     current = model.config.to_dict()
@@ -194,7 +262,44 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module) -> Optional[str]:
     if differ:
         details = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, model {current.get(k)!r}" for k in differ[:5])
         raise CheckpointError(f"{path} was saved from a different model config ({details})")
+    length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
+    if any(saved != now for saved, now in length.values()):
+        print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
+                    f": the LR schedule follows the new total from step {state['step']}")
+    differ = training_config_differences(state, cfg, dist.get_world_size())
+    if differ:
+        raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
+                              f"resume continues that run, whose data position and optimizer settings the checkpoint "
+                              f"holds, so resume with the checkpoint's values, or start a fresh run (without "
+                              f"--resume_from_checkpoint)")
     return path
+
+
+def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
+    """Sequences per optimizer step over all ranks, and how they are made up."""
+    batch, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
+    return world_size * batch * accumulation, f"{world_size} ranks x {batch} x {accumulation}"
+
+
+def training_config_differences(state: dict, cfg: TrainConfig, world_size: int) -> list[str]:
+    """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none).
+
+    The data position is the step count: each step trains on the next global batch of the epoch's shuffled order
+    (DistributedSampler hands rank r the positions r, r + world_size, ..., so a step of any layout covers one
+    contiguous block of that order), and the epoch has len(data) // global batch steps. So the world size, the
+    per-device batch and the accumulation may change as long as their product, the global batch, does not.
+    """
+    saved, current = state["config"], cfg.to_dict()
+    keys = [k for k in _RESUME_KEYS if k in saved]  # a checkpoint from an older version may lack a newer key
+    differ = [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in keys if saved[k] != current[k]]
+    if 0 < cfg.max_steps <= state["step"]:  # nothing left to train: final/ would be the checkpoint's weights
+        differ.append(f"max_steps: the checkpoint is at step {state['step']}, now max_steps {cfg.max_steps}")
+    saved_batch, saved_layout = _global_batch(saved, state["world_size"])
+    batch, layout = _global_batch(current, world_size)
+    if saved_batch != batch:
+        differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
+                      f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})")
+    return differ
 
 
 # --- Save -------------------------------------------------------------------------------------------------------
@@ -276,20 +381,7 @@ def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
 def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and (same world size only) RNG states. Every rank calls this."""
     state = validate_checkpoint(path)
-    if state["format"] == "sharded":
-        model_sd = get_model_state_dict(model)
-        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
-        set_model_state_dict(model, model_sd)
-    else:
-        full = {}
-        if dist.get_rank() == 0:
-            for file in _safetensors_files(path):
-                with safe_open(file, "pt") as f:
-                    full.update({name: f.get_tensor(name) for name in f.keys()})
-            for name in tied_parameter_names(model):
-                full[name] = full[_tied_source(model, name)]
-        # strict (the default): a missing or unexpected weight is an error.
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    load_model_weights(path, state["format"], model)
     optim_sd = get_optimizer_state_dict(model, optimizer)
     dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
     set_optimizer_state_dict(model, optimizer, optim_sd)
@@ -301,6 +393,24 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
                     f"{dist.get_world_size()}: RNG states are not restored")
     print_rank0(f"resumed from {path} at step {state['step']}")
     return state
+
+
+def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
+    """Load the checkpoint's weights into the sharded model (every rank calls this)."""
+    if fmt == "sharded":
+        model_sd = get_model_state_dict(model)
+        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
+        set_model_state_dict(model, model_sd)
+        return
+    full = {}
+    if dist.get_rank() == 0:
+        for file in _safetensors_files(path):
+            with safe_open(file, "pt") as f:
+                full.update({name: f.get_tensor(name) for name in f.keys()})
+        for name in tied_parameter_names(model):
+            full[name] = full[_tied_source(model, name)]
+    # strict (the default): a missing or unexpected weight is an error.
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _tied_source(model: nn.Module, tied_name: str) -> str:

@@ -184,6 +184,11 @@ class TrainConfig:
         default=None,
         metadata={"help": "Checkpoint folder to resume, or auto: the newest in output_dir (if none: start fresh)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a fresh run in an output_dir that holds a previous run's checkpoints or final/: "
+                          "they are removed first. Without it, such an output_dir is refused."},
+    )
 
     def __post_init__(self):
         check_field_types(self)

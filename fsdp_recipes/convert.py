@@ -33,7 +33,9 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     state = validate_checkpoint(checkpoint)
     if state["format"] != "sharded":
         raise CheckpointError(f"{checkpoint} is a full checkpoint: its folder already loads with from_pretrained")
-    if os.path.exists(out_dir) and os.listdir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is not empty: choose a new output folder")
     model_dir = os.path.join(checkpoint, "model")
     metadata = read_dcp_metadata(model_dir)

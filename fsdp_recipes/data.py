@@ -236,9 +236,15 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: in
             batches = list(loader.batch_sampler)[skip * accumulation:]
             epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn,
                                       num_workers=loader.num_workers, pin_memory=loader.pin_memory)
-            skip = 0
+        # Creating a DataLoader iterator draws a seed from the global torch RNG. An uninterrupted run draws it at each
+        # epoch's start (with persistent workers: at the first only); a resumed run must draw exactly there, or every
+        # later random number (dropout) shifts. In the epoch it resumes in, the draw came before the checkpoint.
+        draws_here = epoch_loader is loader and (epoch == 0 or not loader.persistent_workers)
+        with torch.random.fork_rng(devices=[], enabled=not draws_here):
+            epoch_batches = iter(epoch_loader)
+        skip = 0
         step: list[dict] = []
-        for batch in epoch_loader:
+        for batch in epoch_batches:
             step.append(batch)
             if len(step) == accumulation:
                 yield step

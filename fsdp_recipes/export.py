@@ -104,6 +104,7 @@ def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> by
 def replace_dir(tmp_dir: str, out_dir: str) -> None:
     """Move the finished `tmp_dir` to `out_dir`, replacing an older `out_dir` only once the new one is complete."""
     old_dir = out_dir.rstrip("/") + ".old"
+    shutil.rmtree(old_dir, ignore_errors=True)  # left by a replace that was killed before its last line
     if os.path.exists(out_dir):
         os.replace(out_dir, old_dir)
     os.replace(tmp_dir, out_dir)

@@ -22,7 +22,7 @@ import os
 
 from transformers import set_seed
 
-from fsdp_recipes.checkpoint import resolve_resume
+from fsdp_recipes.checkpoint import prepare_output_dir, resolve_resume
 from fsdp_recipes.cli import run_main
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
@@ -52,6 +52,7 @@ def main():
     check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)
     with distributed() as env:
+        prepare_output_dir(cfg)  # an earlier run's checkpoints in output_dir: refused, or removed with overwrite
         set_seed(cfg.seed)
         configure_progress_bars(env.is_main)
 

@@ -18,11 +18,15 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_recipes.checkpoint import CheckpointError, _apply_retention, resolve_state_dict_type, validate_checkpoint
-from fsdp_recipes.config import parse_config
-from fsdp_recipes.convert import convert
+import torch.distributed as dist
 
-from conftest import read_metrics, run, torchrun
+from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_output_dir, resolve_resume,
+                                     resolve_state_dict_type, validate_checkpoint)
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.convert import convert
+from fsdp_recipes.export import replace_dir
+
+from conftest import read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
 
 RECIPE = "recipes/llama_sft.py"
@@ -225,6 +229,13 @@ def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
     shutil.copytree(reference / "checkpoint-6", tmp_path / "no_rng")
     os.remove(tmp_path / "no_rng" / "rng" / "rank_1.pt")
     cases["no_rng"] = r"no_rng is incomplete: rng/rank_1.pt is missing"
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "bad_rng")
+    rng = tmp_path / "bad_rng" / "rng" / "rank_0.pt"
+    os.truncate(rng, rng.stat().st_size // 2)
+    cases["bad_rng"] = r"bad_rng/rng/rank_0.pt is corrupt or truncated"
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "no_config")
+    os.remove(tmp_path / "no_config" / "config.json")
+    cases["no_config"] = r"no_config is incomplete: config.json is missing"
     (tmp_path / "not_a_checkpoint").mkdir()
     cases["not_a_checkpoint"] = r"not_a_checkpoint is not a checkpoint: it has no trainer_state.json"
     before = snapshot(tmp_path)
@@ -288,5 +299,169 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="taken already exists and is not empty"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "taken"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_checkpoint", "taken"]
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(CheckpointError, match="a_file already exists and is a file, not a folder"):
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "not_a_checkpoint", "taken"]
     assert os.listdir(tmp_path / "taken") == ["keep.txt"]
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_replace_dir_after_a_kill_that_left_the_old_folder(tmp_path):
+    # A kill between replace_dir's two renames left out.old (the previous folder) and out (the newer one).
+    for name, text in [("out.old", "oldest"), ("out", "older"), ("out.tmp", "new")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_text(text)
+    replace_dir(str(tmp_path / "out.tmp"), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["out"] and (tmp_path / "out" / "weights").read_text() == "new"
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process group in memory, for the checks that run on every rank."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def config(tmp_path, *extra):
+    return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path), *extra])
+
+
+def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_process_group):
+    for name in ["checkpoint-4", "checkpoint-6", "checkpoint-8.tmp", "final", "wandb"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("checkpoint-6")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 6}\n')
+    before = snapshot(tmp_path)
+    earlier = "holds checkpoint-4, checkpoint-6, latest, final of an earlier run"
+    with pytest.raises(ConfigError, match=f"{earlier}, which this fresh run would overwrite or mix with its own: pass "
+                                          f"--resume_from_checkpoint auto .* --overwrite_output_dir true .* or another "
+                                          f"output_dir"):
+        prepare_output_dir(config(tmp_path))
+    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))  # `latest` names the one to resume
+    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")))
+    with pytest.raises(ConfigError, match="holds checkpoint-4, checkpoint-6, latest, final of another run than "
+                                          "/elsewhere/checkpoint-2's, which this run would overwrite or mix with its "
+                                          "own: pass --overwrite_output_dir true"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "/elsewhere/checkpoint-2"))
+    with pytest.raises(ConfigError, match="overwrite_output_dir true removes the checkpoints in .* pass only one"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "true"))
+    with pytest.raises(ConfigError, match="resumes from one of them"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-4"),
+                                  "--overwrite_output_dir", "true"))
+    os.remove(tmp_path / "latest")
+    before = snapshot(tmp_path)
+    # auto without `latest` no longer starts from step 0 over the checkpoints: it names them.
+    with pytest.raises(ConfigError, match=f"auto: {tmp_path} has no `latest` file naming a checkpoint to resume, but "
+                                          f"holds checkpoint-4, checkpoint-6, final of an earlier run: pass "
+                                          f"--resume_from_checkpoint {tmp_path}/checkpoint-6 \\(the newest\\)"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
+    assert snapshot(tmp_path) == before
+    for name in ["checkpoint-4", "checkpoint-6"]:
+        shutil.rmtree(tmp_path / name)
+    with pytest.raises(ConfigError, match="holds final of an earlier run: --overwrite_output_dir true"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
+    # A killed first save (.tmp), metrics or a wandb folder alone hold nothing to resume: a fresh run goes ahead.
+    shutil.rmtree(tmp_path / "final")
+    prepare_output_dir(config(tmp_path))
+    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
+
+
+def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
+    (tmp_path / "final").mkdir()
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
+                tmp_path / "no_such_data.jsonl", "--output_dir", tmp_path], expect_rc=2)
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path} holds final of an earlier run")
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, reference, one_process_group):
+    checkpoint = reference / "checkpoint-6"
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied_model"])
+    same = [str(arg) for arg in recipe_args(tiny, reference, "--resume_from_checkpoint", checkpoint)]
+    # One process: the global batch of 2 ranks x 4 x 2 is kept with an accumulation of 4. Logging, saving, the
+    # output folder and the run's length may change.
+    allowed = parse_config([*same, "--gradient_accumulation_steps", "4", "--logging_steps", "3", "--save_steps", "5",
+                            "--output_dir", "elsewhere", "--report_to", "wandb", "--max_steps", "8"])
+    assert resolve_resume(allowed, model) == str(checkpoint)
+    changed = parse_config([*same, "--learning_rate", "2e-2", "--weight_decay", "0", "--seed", "1", "--packing", "true",
+                            "--max_steps", "6"])
+    with pytest.raises(CheckpointError) as error:
+        resolve_resume(changed, model)
+    assert str(error.value) == (
+        f"{checkpoint} was saved by a run with another training config (packing: checkpoint False, now True; seed: "
+        f"checkpoint 42, now 1; learning_rate: checkpoint 0.01, now 0.02; weight_decay: checkpoint 0.1, now 0.0; "
+        f"max_steps: the checkpoint is at step 6, now max_steps 6; global batch (world size x "
+        f"per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 (2 ranks x 4 x 2), now 8 "
+        f"(1 ranks x 4 x 2)): a resume continues that run, whose data position and optimizer settings the "
+        f"checkpoint holds, so resume with the checkpoint's values, or start a fresh run (without "
+        f"--resume_from_checkpoint)")
+
+
+def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_data(tiny, reference, tmp_path):
+    # From 2 ranks x 4 x 2 to 1 rank x 4 x 4: each step trains on the same 16 examples as the uninterrupted run.
+    resumed = run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path, "--gradient_accumulation_steps", "4",
+                                                        "--save_steps", "0", "--resume_from_checkpoint",
+                                                        reference / "checkpoint-4")])
+    assert "saved by 2 ranks, this run has 1: RNG states are not restored" in resumed.stdout
+    uninterrupted = losses(reference)
+    # The same sums in another order (over ranks and micro-batches): equal to float rounding, not bit for bit.
+    assert losses(tmp_path) == pytest.approx({step: uninterrupted[step] for step in (5, 6)}, rel=1e-5, abs=0)
+    # Neighbouring steps' losses differ far more than that: a data position off by a step would show.
+    assert all(abs(uninterrupted[step] - uninterrupted[step - 1]) > 1e-3 for step in (5, 6))
+
+
+@pytest.fixture(scope="module")
+def dropout_run(tiny, reference, tmp_path_factory):
+    """4 steps of one process with attention dropout, started with --overwrite_output_dir over a copy of the
+    reference run's folder (and leftovers of its killed saves and sample generation)."""
+    root = tmp_path_factory.mktemp("dropout")
+    model = write_tiny_model(root / "model", dtype=torch.float32, tie_word_embeddings=True, hidden_size=64,
+                             intermediate_size=128, num_hidden_layers=2, attention_dropout=0.5)
+    shutil.copytree(reference, root / "out")
+    for name in ["checkpoint-8.tmp", "final.old"]:
+        (root / "out" / name).mkdir()
+    (root / "out" / "samples.jsonl").write_text("{}\n")
+    args = [*recipe_args(tiny, root / "out", "--model_name_or_path", model, "--max_steps", "4"),
+            "--overwrite_output_dir", "true"]
+    run([sys.executable, RECIPE, *args])
+    return {"root": root, "out": root / "out", "args": args}
+
+
+def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
+    out = dropout_run["out"]
+    # The reference's checkpoint-6, its final/, samples and the .tmp/.old leftovers are gone; its wandb folder (not
+    # written by the run itself) stays.
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "final", "latest",
+                                                     "metrics.jsonl", "wandb"]
+    assert (out / "latest").read_text() == "checkpoint-4"
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert validate_checkpoint(str(out / "checkpoint-4"))["world_size"] == 1
+    assert json.loads((out / "final" / "config.json").read_text())["attention_dropout"] == 0.5
+
+
+def test_resume_with_dropout_gives_bit_equal_losses(dropout_run, tmp_path):
+    # The RNG states come back with the checkpoint, and nothing draws from them before the first resumed step.
+    args = [*dropout_run["args"][:-2], "--output_dir", tmp_path, "--resume_from_checkpoint",
+            dropout_run["out"] / "checkpoint-2"]
+    run([sys.executable, RECIPE, *args])
+    uninterrupted = losses(dropout_run["out"])
+    assert losses(tmp_path) == {3: uninterrupted[3], 4: uninterrupted[4]}
+    assert_same_weights(final_weights(tmp_path), final_weights(dropout_run["out"]))
+
+
+def test_weights_load_memory_per_rank_and_engine(tmp_path):
+    """README, "Checkpoints and resume": the memory a resume's weight loading takes on each rank (anonymous memory
+    above that before the load; 129 MiB fp32 model, largest tensor 16 MiB)."""
+    torchrun("tests/drivers/ckpt_full_load_memory.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    model_mb = ranks[0]["model_mb"]
+    for key in ["fsdp1 full", "fsdp1 sharded", "fsdp2 full", "fsdp2 sharded"]:
+        assert all(r[key]["equal"] for r in ranks), key  # every weight came back
+    # FSDP2: about one tensor at a time, in either format.
+    assert max(r[key]["extra_mb"] for r in ranks for key in ["fsdp2 full", "fsdp2 sharded"]) < 0.25 * model_mb
+    # FSDP1: torch's FSDP1 state-dict load holds more than the whole model on rank 1 from a full checkpoint (1.48x
+    # with torch 2.13), and most of it on every rank from a sharded one (1.27x).
+    assert max(r["fsdp1 full"]["extra_mb"] for r in ranks) > model_mb
+    assert min(r["fsdp1 sharded"]["extra_mb"] for r in ranks) > 0.75 * model_mb
