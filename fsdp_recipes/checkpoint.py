@@ -37,10 +37,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
 from .export import INDEX_NAME, replace_dir, tied_parameter_names, write_full_weights, write_model_files
+from .schedule import count_total_steps
 from .sharding import state_dict_name
 
 STATE_NAME = "trainer_state.json"
@@ -52,7 +54,8 @@ _RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_versi
 # points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
 # back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
 # The batch layout is compared as the global batch size (see training_config_differences). max_steps and
-# num_train_epochs may change (a run is extended): the scheduler then follows the new total from the resumed step.
+# num_train_epochs may change (a run is extended): the scheduler then follows the new total from the resumed step;
+# resolve_resume refuses a total the checkpoint has already reached.
 _RESUME_KEYS = (
     "dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
     "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
@@ -237,8 +240,9 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def resolve_resume(cfg: TrainConfig, model: nn.Module) -> Optional[str]:
-    """The checkpoint to resume from, validated against `model`; None to start from scratch.
+def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset) -> Optional[str]:
+    """The checkpoint to resume from, validated against `model`, the tokenizer and the run's training config and
+    length; None to start from scratch.
 
     `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
     Nothing is written or deleted here.
@@ -272,6 +276,20 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module) -> Optional[str]:
                               f"resume continues that run, whose data position and optimizer settings the checkpoint "
                               f"holds, so resume with the checkpoint's values, or start a fresh run (without "
                               f"--resume_from_checkpoint)")
+    # The same examples as other tokens would make the data position point at other data.
+    differ = tokenizer_differences(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code),
+                                   tokenizer)
+    if differ:
+        raise CheckpointError(f"{path} was saved with another tokenizer (its {', '.join(differ)} differ): resume "
+                              f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or start a fresh "
+                              f"run")
+    total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
+    if state["step"] >= total_steps:  # final/ would silently be the checkpoint's weights
+        raise CheckpointError(
+            f"{path} is at step {state['step']} and this run has {total_steps} steps (max_steps, or num_train_epochs "
+            f"when max_steps is -1): nothing is left to train; raise max_steps or num_train_epochs to extend the "
+            f"run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
+            f"<out_dir>`")
     return path
 
 
@@ -292,14 +310,27 @@ def training_config_differences(state: dict, cfg: TrainConfig, world_size: int) 
     saved, current = state["config"], cfg.to_dict()
     keys = [k for k in _RESUME_KEYS if k in saved]  # a checkpoint from an older version may lack a newer key
     differ = [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in keys if saved[k] != current[k]]
-    if 0 < cfg.max_steps <= state["step"]:  # nothing left to train: final/ would be the checkpoint's weights
-        differ.append(f"max_steps: the checkpoint is at step {state['step']}, now max_steps {cfg.max_steps}")
     saved_batch, saved_layout = _global_batch(saved, state["world_size"])
     batch, layout = _global_batch(current, world_size)
     if saved_batch != batch:
         differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
                       f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})")
     return differ
+
+
+def tokenizer_differences(saved, current) -> list[str]:
+    """The parts of two tokenizers that tokenize differently (empty: none)."""
+    differ = [name for name in ("chat_template", "bos_token", "eos_token", "pad_token")
+              if getattr(saved, name) != getattr(current, name)]
+    if hasattr(saved, "backend_tokenizer") and hasattr(current, "backend_tokenizer"):
+        # The whole pipeline: vocabulary, merges, added tokens, normalizer, pre-tokenizer and the post-processor
+        # that adds BOS. Not padding and truncation: encoding a batch sets those on the backend.
+        saved_json, current_json = (json.loads(t.backend_tokenizer.to_str()) for t in (saved, current))
+        differ += [part for part in saved_json.keys() - {"padding", "truncation"}
+                   if saved_json[part] != current_json.get(part)]
+    elif saved.get_vocab() != current.get_vocab():
+        differ.append("vocabulary")
+    return sorted(differ)
 
 
 # --- Save -------------------------------------------------------------------------------------------------------

@@ -223,8 +223,9 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: in
     """Endless stream of optimizer steps, each a list of `accumulation` micro-batches, reshuffled every epoch.
 
     Micro-batches left over at the end of an epoch (fewer than `accumulation`) are dropped, so every step has
-    the same shape on every rank. The order depends only on the seed and the epoch. `start_step` skips that many steps (on resume): the epoch and the sampler order
-    are the same as in an uninterrupted run, and skipped batches are never loaded.
+    the same shape on every rank. The order depends only on the seed and the epoch. `start_step` skips that many
+    steps (on resume): the epoch and the sampler order are the same as in an uninterrupted run, and skipped batches
+    are never loaded.
     """
     steps_per_epoch = len(loader) // accumulation
     epoch, skip = divmod(start_step, steps_per_epoch)

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
 from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, model_inputs, optimizer_step_batches
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
@@ -21,6 +21,7 @@ from .evaluation import eval_batches
 from .flops import peak_flops, training_flops_per_token
 from .metrics import MetricsLogger
 from .progress import TrainingProgress, use_progress_bars
+from .schedule import count_total_steps
 from .sharding import gradient_sync, original_ndims
 
 
@@ -100,18 +101,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def count_total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
-    steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"one epoch gives each rank {micro_batches_per_epoch} micro-batches, fewer than "
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}: lower it or add data"
-        )
-    if cfg.max_steps > 0:
-        return cfg.max_steps
-    return math.ceil(cfg.num_train_epochs * steps_per_epoch)
-
-
 @torch.no_grad()
 def evaluate(model: nn.Module, eval_dataset, cfg: TrainConfig, tokenizer, env: DistEnv) -> dict[str, float]:
     """Token-weighted loss over the whole held-out split (all ranks take part), and its perplexity."""
@@ -133,7 +122,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end."""
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size)
-    total_steps = count_total_steps(cfg, len(loader))
+    total_steps = count_total_steps(cfg, train_dataset, env.world_size)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(

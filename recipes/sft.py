@@ -56,8 +56,8 @@ def main():
         plan_text = describe_plan(model, plan)
         print_rank0("sharding plan:\n" + plan_text)
 
-        # Resume: the checkpoint is checked against this model before anything is written.
-        resume_from = resolve_resume(cfg, model)
+        # Resume: the checkpoint is checked against this model, tokenizer and data before anything is written.
+        resume_from = resolve_resume(cfg, model, tokenizer, train_dataset)
 
         # Training, with evaluation on the held-out split; a resumed run continues its W&B run.
         logger = MetricsLogger(cfg, env.is_main, {"sharding_plan": {**vars(plan), "description": plan_text}},

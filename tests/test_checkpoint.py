@@ -5,6 +5,7 @@ a checkpoint every 2 steps), so that a resume lands in the middle of an epoch: F
 world-size tests also FSDP1's.
 """
 
+import dataclasses
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from tokenizers import normalizers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import torch.distributed as dist
@@ -24,7 +26,9 @@ from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_
                                      resolve_state_dict_type, validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
+from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import replace_dir
+from fsdp_recipes.model import load_tokenizer
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
@@ -376,27 +380,71 @@ def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tm
     assert sorted(os.listdir(tmp_path)) == ["final"]
 
 
+def resume_inputs(tiny, *args):
+    """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
+    tokenizer = load_tokenizer(cfg)
+    return cfg, AutoModelForCausalLM.from_pretrained(tiny["tied_model"]), tokenizer, build_datasets(cfg, tokenizer)[0]
+
+
 def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, reference, one_process_group):
     checkpoint = reference / "checkpoint-6"
-    model = AutoModelForCausalLM.from_pretrained(tiny["tied_model"])
-    same = [str(arg) for arg in recipe_args(tiny, reference, "--resume_from_checkpoint", checkpoint)]
     # One process: the global batch of 2 ranks x 4 x 2 is kept with an accumulation of 4. Logging, saving, the
     # output folder and the run's length may change.
-    allowed = parse_config([*same, "--gradient_accumulation_steps", "4", "--logging_steps", "3", "--save_steps", "5",
-                            "--output_dir", "elsewhere", "--report_to", "wandb", "--max_steps", "8"])
-    assert resolve_resume(allowed, model) == str(checkpoint)
-    changed = parse_config([*same, "--learning_rate", "2e-2", "--weight_decay", "0", "--seed", "1", "--packing", "true",
-                            "--max_steps", "6"])
+    cfg, model, tokenizer, data = resume_inputs(
+        tiny, "--resume_from_checkpoint", checkpoint, "--gradient_accumulation_steps", "4", "--logging_steps", "3",
+        "--save_steps", "5", "--output_dir", "elsewhere", "--report_to", "wandb", "--max_steps", "8")
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    changed = dataclasses.replace(cfg, learning_rate=2e-2, weight_decay=0.0, seed=1, packing=True,
+                                  gradient_accumulation_steps=2)
     with pytest.raises(CheckpointError) as error:
-        resolve_resume(changed, model)
+        resolve_resume(changed, model, tokenizer, data)
     assert str(error.value) == (
         f"{checkpoint} was saved by a run with another training config (packing: checkpoint False, now True; seed: "
         f"checkpoint 42, now 1; learning_rate: checkpoint 0.01, now 0.02; weight_decay: checkpoint 0.1, now 0.0; "
-        f"max_steps: the checkpoint is at step 6, now max_steps 6; global batch (world size x "
-        f"per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 (2 ranks x 4 x 2), now 8 "
-        f"(1 ranks x 4 x 2)): a resume continues that run, whose data position and optimizer settings the "
-        f"checkpoint holds, so resume with the checkpoint's values, or start a fresh run (without "
-        f"--resume_from_checkpoint)")
+        f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 "
+        f"(2 ranks x 4 x 2), now 8 (1 ranks x 4 x 2)): a resume continues that run, whose data position and "
+        f"optimizer settings the checkpoint holds, so resume with the checkpoint's values, or start a fresh run "
+        f"(without --resume_from_checkpoint)")
+
+
+def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group):
+    checkpoint = reference / "checkpoint-6"
+    cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4")
+    # 256 examples in global batches of 16: 16 steps an epoch, so a quarter epoch ends at step 4 and half at 8.
+    assert len(data) == 256
+    for length, total in [({"max_steps": 6}, 6), ({"max_steps": -1, "num_train_epochs": 0.25}, 4)]:
+        with pytest.raises(CheckpointError) as error:
+            resolve_resume(dataclasses.replace(cfg, **length), model, tokenizer, data)
+        assert str(error.value) == (
+            f"{checkpoint} is at step 6 and this run has {total} steps (max_steps, or num_train_epochs when "
+            f"max_steps is -1): nothing is left to train; raise max_steps or num_train_epochs to extend the run, or "
+            f"write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {checkpoint} "
+            f"<out_dir>`")
+    extended = dataclasses.replace(cfg, max_steps=-1, num_train_epochs=0.5)
+    assert resolve_resume(extended, model, tokenizer, data) == str(checkpoint)
+
+
+def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_group):
+    checkpoint = reference / "checkpoint-6"
+    cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4", "--max_steps", "8")
+    # The same tokenizer from another folder (the checkpoint's own copy) is the same tokenizer.
+    from_checkpoint = load_tokenizer(dataclasses.replace(cfg, tokenizer_name_or_path=str(checkpoint)))
+    assert resolve_resume(cfg, model, from_checkpoint, data) == str(checkpoint)
+    template = load_tokenizer(cfg)
+    template.chat_template = template.chat_template.replace("<|end|>", "\n")
+    added = load_tokenizer(cfg)
+    added.add_tokens(["<|tool|>"])
+    lowercase = load_tokenizer(cfg)
+    lowercase.backend_tokenizer.normalizer = normalizers.Lowercase()
+    for changed, parts in [(template, "chat_template"), (added, "added_tokens"), (lowercase, "normalizer")]:
+        with pytest.raises(CheckpointError) as error:
+            resolve_resume(cfg, model, changed, data)
+        assert str(error.value) == (
+            f"{checkpoint} was saved with another tokenizer (its {parts} differ): resume with the checkpoint's "
+            f"tokenizer (--tokenizer_name_or_path {checkpoint}), or start a fresh run")
 
 
 def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_data(tiny, reference, tmp_path):

@@ -1,0 +1,22 @@
+"""The run's length in optimizer steps, from its config and its training data."""
+
+from __future__ import annotations
+
+import math
+
+from .config import ConfigError, TrainConfig
+
+
+def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
+    """The run's optimizer steps: max_steps, or num_train_epochs times the steps one epoch of `dataset` gives."""
+    # The micro-batches build_dataloader gives each rank: its DistributedSampler and DataLoader both drop_last.
+    micro_batches_per_epoch = len(dataset) // world_size // cfg.per_device_train_batch_size
+    steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"one epoch gives each rank {micro_batches_per_epoch} micro-batches, fewer than "
+            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}: lower it or add data"
+        )
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    return math.ceil(cfg.num_train_epochs * steps_per_epoch)
