@@ -7,6 +7,7 @@ continues the same W&B run, on the same step axis (the optimizer step).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
@@ -34,14 +35,15 @@ def library_versions() -> dict[str, str]:
 def check_wandb_credentials(cfg: TrainConfig) -> None:
     """With report_to wandb in online mode, fail now, before the model is loaded, when no API key is configured.
 
-    Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server.
+    Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server. Only the
+    rank that logs (rank 0) checks: wandb.login starts wandb's service process, which would idle on every other rank.
     """
-    if cfg.report_to != "wandb":
+    if cfg.report_to != "wandb" or os.environ.get("RANK", "0") != "0":
         return
     import wandb
     from wandb.sdk import wandb_setup
 
-    # The settings wandb.login reads (environment, settings files), without starting wandb's service process.
+    # The settings wandb.login reads (environment, settings files).
     if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):
         return
     if not wandb.login(verify=False, prompt=False):
@@ -49,6 +51,14 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
             "report_to is wandb but no W&B API key is configured: set WANDB_API_KEY or run `wandb login`; or log "
             "without network with WANDB_MODE=offline (then `wandb sync`), or pass --report_to none"
         )
+
+
+def parsed_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a blank line or one a crash cut off while it was written."""
+    try:
+        return json.loads(line)["step"]
+    except json.JSONDecodeError:
+        return math.inf
 
 
 def saved_wandb_run_id(checkpoint: Optional[str]) -> Optional[str]:
@@ -93,7 +103,7 @@ class MetricsLogger:
         kept = []
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+                kept = [line for line in f if parsed_step(line) <= step]
         with open(self.path, "w") as f:
             f.writelines(kept)
 

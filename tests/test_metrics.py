@@ -17,8 +17,9 @@ from fsdp_recipes.data_formats import IGNORE_INDEX
 from fsdp_recipes.device_stats import flops_model
 from fsdp_recipes.evaluation import eval_batches
 from fsdp_recipes.flops import training_flops_per_token
+from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
-from wandb_records import run_summary
+from wandb_records import read_records, run_summary
 
 RECIPE = "recipes/llama_sft.py"
 DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
@@ -130,6 +131,42 @@ def test_missing_wandb_api_key_stops_the_run_before_the_model_is_loaded(tmp_path
     assert "error: report_to is wandb but no W&B API key is configured: set WANDB_API_KEY or run `wandb login`" in proc.stderr
     assert "WANDB_MODE=offline" in proc.stderr and "--report_to none" in proc.stderr
     assert "no_such_model" not in proc.stderr
+
+
+def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
+    # wandb.login starts wandb's service process: on the other ranks it would idle for the whole run.
+    check = ("import sys; from fsdp_recipes.config import parse_config; from fsdp_recipes.metrics import "
+             "check_wandb_credentials; check_wandb_credentials(parse_config(['--model_name_or_path', 'm', "
+             "'--dataset_name', 'd', '--report_to', 'wandb'])); print('wandb' in sys.modules)")
+    no_key = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc"),
+              "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config")}
+    assert run([sys.executable, "-c", check], RANK="1", **no_key).stdout == "False\n"
+    proc = run([sys.executable, "-c", check], expect_rc=1, RANK="0", **no_key)
+    assert "no W&B API key is configured" in proc.stderr
+
+
+def test_a_config_error_after_wandb_started_finishes_the_run(tiny, tmp_path):
+    # One epoch of 256 examples has 64 micro-batches of 4: fewer than the accumulation asked for. The error comes
+    # from the trainer, after the W&B run started.
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"],
+                "--output_dir", tmp_path / "out", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
+                "--gradient_accumulation_steps", "100", "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path))
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: one epoch gives each rank 64 micro-batches, fewer than gradient_accumulation_steps=100: lower it "
+        "or add data")
+    [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    [exit_record] = [r.exit for r in read_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 2
+
+
+def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
+    logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir",
+                                         str(tmp_path)]), is_main=True)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n'
+                                            '{"step": 3, "loss": 2.0}\n{"step": 4, "lo')
+    logger.start_at(3)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
+                                                        {"step": 3, "loss": 2.0}]
 
 
 def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
