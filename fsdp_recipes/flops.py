@@ -59,10 +59,21 @@ def active_matmul_params(model: nn.Module) -> float:
     return total
 
 
+def attended_lengths(config, seq_len: int) -> list[int]:
+    """The keys a query attends to in each decoder layer: seq_len, or the sliding window in a layer that has one
+    (every layer of Mistral v0.1 and Phi-3 mini; 5 of every 6 of Gemma 3's, per config.layer_types)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [seq_len] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return [min(seq_len, window) if kind == "sliding_attention" else seq_len for kind in types]
+
+
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Forward and backward FLOPs per token (PaLM, appendix B): 6 per active matmul parameter, plus attention's
-    12 * layers * heads * head_dim * seq_len. Activation-checkpointing recomputation is not counted (MFU, not HFU)."""
+    12 * heads * head_dim * (the keys attended to), summed over the layers. Activation-checkpointing recomputation
+    is not counted (MFU, not HFU)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+    attention = 12 * config.num_attention_heads * head_dim * sum(attended_lengths(config, seq_len))
     return 6 * active_matmul_params(model) + attention

@@ -159,7 +159,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         interval["steps"] += 1
         interval["input_tokens"] += input_tokens
         interval["token_slots"] += token_slots
-        interval["rows"] += sum(mb["input_ids"].shape[0] for mb in micro_batches) * env.world_size
+        # Rows as the sampler batches them: flash attention's packed batches arrive concatenated into one row.
+        interval["rows"] += cfg.per_device_train_batch_size * len(micro_batches) * env.world_size
 
         if step % cfg.logging_steps == 0 or step == total_steps:
             dist.all_reduce(loss_sum)
