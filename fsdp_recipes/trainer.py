@@ -146,6 +146,9 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     model.train()
     for step in range(start_step + 1, total_steps + 1):
         start = time.perf_counter()
+        evaluate_now = eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0)
+                                                     or step == total_steps)
+        save_now = cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps)
         micro_batches = next(batches)
         label_tokens, input_tokens, token_slots = step_token_counts(micro_batches)
         loss_sum, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
@@ -194,15 +197,17 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             progress.logged(metrics)
             interval = dict.fromkeys(interval, 0)
         else:
+            if (evaluate_now or save_now) and env.device.type == "cuda":
+                torch.cuda.synchronize(env.device)  # the step's queued work belongs to the step, not the eval or save
             interval["seconds"] += time.perf_counter() - start
         progress.advance()
 
-        if eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+        if evaluate_now:
             eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
             logger.log({"step": step, **eval_metrics})
             progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
                            f"perplexity {eval_metrics['eval/perplexity']:.3f}")
-        if cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps):
+        if save_now:
             save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
                             logger.wandb_run_id)
     progress.close()
