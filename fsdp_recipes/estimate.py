@@ -2,11 +2,13 @@
 
     python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
         [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
+        [--attn_implementation sdpa]
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
 project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
-optimizer states each rank holds (exact: FSDP2's dim-0 shards of each parameter, the largest rank's), then
-estimates of the transient buffers and the activations, the total, and the cheapest setting that fits.
+optimizer states each rank holds (exact: FSDP2's dim-0 shards of each parameter, the largest rank's), the
+activations the model's forward saves for backward (measured by running that forward on the meta device), estimates
+of the transient buffers, the total, and the cheapest setting that fits.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .cli import run_main
 from .config import ConfigError
+from .families import EXACT_ATTENTION
 from .flops import build_meta_model
 from .plan import PRECISIONS
 from .sharding import MASTER_DTYPE, find_layer_classes
@@ -109,26 +113,85 @@ def fsdp_groups(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[nn.Par
     return layers, [p for p in model.parameters() if id(p) not in in_layers]
 
 
-def activation_bytes_per_token(config: PretrainedConfig, compute_bytes: int) -> tuple[int, int]:
-    """(saved by one decoder layer in forward, the layer's input) per token, for a Llama-like block with a
-    fused attention kernel (no seq_len x seq_len scores kept):
-    - each RMSNorm keeps its fp32 input (4h) and its normalised input (h in compute dtype);
-    - the q/k/v and gate/up projections keep their input (h each);
-    - attention keeps q, k, v and its output (2q + 2kv), o_proj its input (q);
-    - the MLP keeps gate, up, act(gate) and their product (4 x intermediate), in each of the experts a token is
-      routed to (num_experts_per_tok) in a mixture-of-experts layer.
-    Models without intermediate_size (GPT-2's n_inner) get the usual 4 x hidden."""
-    h = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-    mlp = (getattr(config, "intermediate_size", None) or 4 * h) * (getattr(config, "num_experts_per_tok", None) or 1)
-    per_layer = compute_bytes * (4 * h + 3 * q + 2 * kv + 4 * mlp) + 2 * 4 * h
-    return per_layer, compute_bytes * h
+@dataclass(frozen=True)
+class SavedActivations:
+    """What one micro-batch's forward leaves for backward, measured: bytes per decoder layer, and one layer's
+    input (all a checkpointed layer keeps)."""
+    tokens: int
+    per_layer: tuple[int, ...]
+    layer_input: int
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """What a fused attention kernel (sdpa's flash or memory-efficient kernel, flash attention) keeps for backward:
+    q, k, v, its output, each query's log-sum-exp, and a mask (e.g. a sliding window's) as an additive bias in the
+    compute dtype; no L x L scores. Shapes only, for the meta device."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask):
+        output = torch.empty_like(query)
+        log_sum_exp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+        bias = None if attn_mask is None else torch.empty(attn_mask.shape, dtype=query.dtype, device=query.device)
+        ctx.save_for_backward(query, key, value, output, log_sum_exp, bias)
+        return output
+
+
+def _fused_sdpa(query, key, value, attn_mask=None, **kwargs):
+    return _FusedAttentionSaves.apply(query, key, value, attn_mask)
+
+
+def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: int, seq_len: int,
+                        attn_implementation: str) -> SavedActivations:
+    """Run the model's own forward on the meta device (shapes only: no memory, no compute) for one micro-batch,
+    and count the bytes of the distinct tensors autograd saves inside each decoder layer, parameters excluded.
+    Whatever the architecture does (extra norms, soft-capping, routing to experts) is counted as it runs; for sdpa,
+    which runs its math path (L x L scores) on the meta device, what the GPU's fused kernel saves instead."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
+                                                 attn_implementation=attn_implementation)
+        input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
+        raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "
+                          f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
+    # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
+    saved = [0] * len(layers)
+    seen: set[int] = set()  # a tensor that several layers save (the residual stream) is counted once
+    inputs: list[int] = []
+    running: list[int] = []  # the index of the decoder layer whose forward is running
+
+    def enter(index: int):
+        def hook(module, args, kwargs):
+            running.append(index)
+            inputs.append((args[0] if args else kwargs["hidden_states"]).nbytes)
+        return hook
+
+    def leave(module, args, output):
+        running.pop()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if running and storage._cdata not in weights and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            saved[running[-1]] += storage.nbytes()
+        return tensor
+
+    handles = [h for i, layer in enumerate(layers)
+               for h in (layer.register_forward_pre_hook(enter(i), with_kwargs=True),
+                         layer.register_forward_hook(leave))]
+    try:
+        with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
+            model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return SavedActivations(batch * seq_len, tuple(saved), max(inputs))
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
-             batch: int, seq_len: int) -> Estimate:
+             saved: SavedActivations) -> Estimate:
     master = MASTER_DTYPE[mixed_precision].itemsize
     compute = COMPUTE_DTYPE[mixed_precision].itemsize
     shard_size = num_gpus // num_nodes if setting.strategy == "HSDP" else num_gpus
@@ -151,15 +214,12 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     reduce = REDUCE_DTYPE[mixed_precision].itemsize
     grad_buffers = gathered_numel(root) * compute + largest_layer * (compute + reduce)
 
-    tokens = batch * seq_len
-    per_layer, layer_input = activation_bytes_per_token(model.config, compute)
-    n_layers = len(layers)
     if setting.activation_checkpointing:  # each layer's input, and one layer recomputed in backward
-        activations = tokens * (n_layers * layer_input + per_layer)
+        activations = len(saved.per_layer) * saved.layer_input + max(saved.per_layer)
     else:
-        activations = tokens * n_layers * per_layer
+        activations = sum(saved.per_layer)
     # The logits in compute dtype, their fp32 copy for the loss, and the fp32 log-softmax cross-entropy keeps.
-    logits = tokens * model.config.vocab_size * (compute + 4 + 4)
+    logits = saved.tokens * model.config.vocab_size * (compute + 4 + 4)
     return Estimate(params=state, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
                     activations=activations, logits=logits, offload=setting.offload)
 
@@ -178,9 +238,9 @@ def fits(est: Estimate, gpu_memory_gib: float) -> bool:
     return est.gpu_total <= USABLE_SHARE * gpu_memory_gib * GIB
 
 
-def recommend(model: nn.Module, args: argparse.Namespace) -> str:
+def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     for setting in candidate_settings(args.num_nodes):
-        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, args.batch, args.seq_len)
+        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, saved)
         if fits(est, args.gpu_memory):
             # Offload moves the sharded state to host memory, which must then hold it for every GPU of the node.
             host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
@@ -191,10 +251,10 @@ def recommend(model: nn.Module, args: argparse.Namespace) -> str:
             f"--batch or --seq_len (activations and logits grow with batch x seq_len)")
 
 
-def format_report(model: nn.Module, args: argparse.Namespace) -> str:
+def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     setting_of = {s: Setting(s, args.activation_checkpointing, args.offload) for s in STRATEGIES}
-    ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, args.batch,
-                        args.seq_len) for s in STRATEGIES}
+    ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, saved)
+            for s in STRATEGIES}
     layers, _ = fsdp_groups(model)
     total = sum(p.numel() for p in model.parameters())
     per_node = args.num_gpus // args.num_nodes
@@ -206,7 +266,8 @@ def format_report(model: nn.Module, args: argparse.Namespace) -> str:
         f"setup: {args.num_gpus} GPUs ({args.num_nodes} node{'s' * (args.num_nodes > 1)} x {per_node}), "
         f"mixed_precision {args.mixed_precision} ({precision}), AdamW",
         f"micro-batch per GPU: {args.batch} x {args.seq_len} tokens, activation checkpointing "
-        f"{'on' if args.activation_checkpointing else 'off'}, offload {'on' if args.offload else 'off'}",
+        f"{'on' if args.activation_checkpointing else 'off'}, offload {'on' if args.offload else 'off'}, "
+        f"{args.attn_implementation} attention",
         "",
         f"{'GiB per GPU':<36}" + "".join(f"{name:>15}" for name in ["FULL_SHARD", "SHARD_GRAD_OP",
                                                                     f"HSDP {args.num_nodes}x{per_node}"]),
@@ -221,7 +282,7 @@ def format_report(model: nn.Module, args: argparse.Namespace) -> str:
         row(f"optimizer states (exact, {where})", [e.optimizer for e in ests.values()]),
         row("gathered parameters (estimate)", [e.gathered for e in ests.values()]),
         row("gradient buffers (estimate)", [e.grad_buffers for e in ests.values()]),
-        row("activations (estimate)", [e.activations for e in ests.values()]),
+        row("activations (measured)", [e.activations for e in ests.values()]),
         row("logits and loss (estimate)", [e.logits for e in ests.values()]),
         row("total on GPU (estimate)", [e.gpu_total for e in ests.values()]),
     ]
@@ -229,7 +290,7 @@ def format_report(model: nn.Module, args: argparse.Namespace) -> str:
         lines.append(row("CPU RAM per node (offloaded state)", [per_node * e.sharded_state for e in ests.values()]))
     lines.append(f"{f'fits in {USABLE_SHARE:.0%} of {args.gpu_memory:g} GiB':<36}"
                  + "".join(f"{'yes' if fits(e, args.gpu_memory) else 'no':>15}" for e in ests.values()))
-    lines += ["", recommend(model, args)]
+    lines += ["", recommend(model, args, saved)]
     return "\n".join(lines)
 
 
@@ -245,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (recipe default)")
     parser.add_argument("--gpu_memory", type=float, default=80, help="GiB per GPU, for what fits (default 80)")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
+    parser.add_argument("--attn_implementation", choices=["sdpa", "eager"], default="sdpa",
+                        help="sdpa: a fused kernel (sdpa, flash or flex attention) that keeps no L x L scores; "
+                             "eager: keeps them (the gemma2 recipe's)")
     args = parser.parse_args(argv)
     for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
         if getattr(args, name) < 1:
@@ -259,8 +323,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    model = build_meta_model(load_config(args.model), MASTER_DTYPE[args.mixed_precision])
-    print(format_report(model, args))
+    config = load_config(args.model)
+    allowed = EXACT_ATTENTION.get(config.model_type)
+    if allowed and args.attn_implementation not in allowed:
+        raise ConfigError(f"{config.model_type} needs exact attention ({', '.join(allowed)}; see "
+                          f"fsdp_recipes/families.py), not {args.attn_implementation}: pass --attn_implementation eager")
+    model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision])
+    saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation)
+    print(format_report(model, args, saved))
 
 
 if __name__ == "__main__":

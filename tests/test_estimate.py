@@ -9,11 +9,12 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError
-from fsdp_recipes.estimate import (Setting, activation_bytes_per_token, build_meta_model, estimate, load_config,
+from fsdp_recipes.estimate import (Setting, build_meta_model, estimate, load_config, main, measure_activations,
                                    parse_args, recommend)
 from fsdp_recipes.sharding import MASTER_DTYPE
 
@@ -78,9 +79,11 @@ def held(configs, tmp_path_factory):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_sharded_state_equals_the_bytes_the_largest_rank_holds(configs, held, name):
     model_name, precision, strategy, offload = VARIANTS[name]
-    model = build_meta_model(load_config(str(configs[model_name])), MASTER_DTYPE[precision])
+    config = load_config(str(configs[model_name]))
+    model = build_meta_model(config, MASTER_DTYPE[precision])
+    saved = measure_activations(config, "bf16", 1, 16, "sdpa")  # activations play no part in these rows
     est = estimate(model, Setting(strategy, False, offload), num_gpus=2, num_nodes=2 if strategy == "HSDP" else 1,
-                   mixed_precision=precision, batch=1, seq_len=16)
+                   mixed_precision=precision, saved=saved)
     ranks = held[name]
     for figure, kind in [(est.params, "params"), (est.grads, "grads"), (est.optimizer, "optimizer_state")]:
         assert figure == max(rank[kind] for rank in ranks) == ranks[0][kind], kind
@@ -100,49 +103,100 @@ def test_llama_3_1_parameter_counts_equal_the_published_ones(configs):
         assert sum(p.numel() for p in model.parameters()) == published
         assert all(p.is_meta for p in model.parameters())
     # 8B on 8 GPUs: every dim-0 divides by 8, so each GPU holds exactly an eighth, in fp32 master weights.
-    model = build_meta_model(load_config(str(configs["8b"])), torch.float32)
-    est = estimate(model, Setting("FULL_SHARD", False, False), 8, 1, "bf16", batch=1, seq_len=2048)
+    config = load_config(str(configs["8b"]))
+    model = build_meta_model(config, torch.float32)
+    saved = measure_activations(config, "bf16", 1, 2048, "sdpa")
+    est = estimate(model, Setting("FULL_SHARD", False, False), 8, 1, "bf16", saved)
     assert (est.params, est.grads, est.optimizer) == (8_030_261_248 // 2, 8_030_261_248 // 2, 8_030_261_248)
-    hsdp = estimate(model, Setting("HSDP", False, False), 16, 2, "bf16", batch=1, seq_len=2048)
+    hsdp = estimate(model, Setting("HSDP", False, False), 16, 2, "bf16", saved)
     assert hsdp.params == est.params  # sharded within a node of 8
 
 
-def test_activation_formula_is_close_to_what_autograd_saves():
-    """One bf16 Llama decoder layer: the bytes of the distinct tensors autograd saves, parameters excluded."""
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
-                         num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+# Each family's quirks: GQA, q/k norms (Qwen3, Gemma 3), four norms and soft-capped eager attention (Gemma 2),
+# sliding windows (Gemma 3), routed experts (Qwen3-MoE).
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+ARCHITECTURES = {
+    "llama sdpa": (LlamaConfig(**SMALL), "sdpa"),
+    "qwen3 sdpa": (Qwen3Config(**SMALL), "sdpa"),
+    "gemma2 eager": (Gemma2Config(**SMALL), "eager"),
+    "gemma3 sdpa": (Gemma3TextConfig(**SMALL, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+                    "sdpa"),
+    "qwen3_moe sdpa": (Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+                       "sdpa"),
+}
+
+
+def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int, seq_len: int) -> list[int]:
+    """Run the real bf16 model on the CPU (its fused sdpa kernel, or eager) and add up the distinct storages
+    autograd saves while each decoder layer runs, parameters excluded."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn_implementation)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    batch, seq_len = 2, 256
-    hidden = torch.randn(batch, seq_len, 256, dtype=torch.bfloat16, requires_grad=True)
-    positions = torch.arange(seq_len)[None]
-    saved = {}
+    layers, running, seen = model.model.layers, [], set()
+    per_layer = [0] * len(layers)
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: running.append(index))
+        layer.register_forward_hook(lambda module, args, output: running.clear())
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        pointer = tensor.untyped_storage().data_ptr()
+        if running and pointer not in weights and pointer not in seen:
+            seen.add(pointer)
+            per_layer[running[0]] += tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.model.layers[0](hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
-                              attention_mask=None, position_ids=positions)
-    measured = sum(saved.values()) / (batch * seq_len)
-    per_layer, _ = activation_bytes_per_token(config, compute_bytes=2)
-    assert abs(per_layer - measured) <= 0.1 * measured  # measured: 11,392 against 10,984 bytes, 3.7% above
+        model(input_ids=torch.randint(0, config.vocab_size, (batch, seq_len)))
+    return per_layer
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_activations_measured_on_the_meta_device_equal_what_autograd_saves(name):
+    config, attn_implementation = ARCHITECTURES[name]
+    saved = measure_activations(config, "bf16", batch=2, seq_len=64, attn_implementation=attn_implementation)
+    assert list(saved.per_layer) == bytes_autograd_saves_per_layer(config, attn_implementation, 2, 64)
+    assert saved.tokens == 128 and saved.layer_input == 128 * 64 * 2  # bf16 hidden states
+
+
+def test_moe_activations_follow_the_expert_width_and_eager_attention_its_scores():
+    def per_token(config, attn_implementation="sdpa", seq_len=64):
+        return measure_activations(config, "bf16", 1, seq_len, attn_implementation).per_layer[0] / seq_len
+
+    # Each token's 2 experts keep gate, up, act(gate) and their product, in bf16: 16 bytes per unit of width.
+    moe = dict(SMALL, num_experts=4, num_experts_per_tok=2)
+    assert per_token(Qwen3MoeConfig(**moe, moe_intermediate_size=64)) - per_token(
+        Qwen3MoeConfig(**moe, moe_intermediate_size=32)) == 2 * 4 * 32 * 2
+    # Eager attention keeps each head's fp32 softmax and its bf16 copy: 6 bytes per head per key, on top of sdpa's.
+    llama = LlamaConfig(**SMALL)
+    eager = per_token(llama, "eager", 128) - per_token(llama, "eager", 64)
+    assert eager == 4 * 64 * 6 and per_token(llama, "sdpa", 128) == per_token(llama, "sdpa", 64)
 
 
 def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
-    model = build_meta_model(load_config(str(configs["70b"])), torch.float32)
+    config = load_config(str(configs["70b"]))
+    model = build_meta_model(config, torch.float32)
+    saved = measure_activations(config, "bf16", 4, 2048, "sdpa")
     args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "8"])
     # fp32 weights, gradients and two Adam states: 16 bytes per parameter, in the CPU RAM of the node's 8 GPUs.
-    assert recommend(model, args).startswith("recommended: FULL_SHARD with activation checkpointing and CPU offload")
-    assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args)
+    assert recommend(model, args, saved).startswith(
+        "recommended: FULL_SHARD with activation checkpointing and CPU offload")
+    assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args, saved)
     args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "2", "--gpu_memory", "24"])
-    assert recommend(model, args).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
+    assert recommend(model, args, saved).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
 
 
-def test_bad_input_is_one_clear_line():
+def test_bad_input_is_one_clear_line(tmp_path):
+    gemma2 = write_config(tmp_path / "gemma2.json", Gemma2Config(**SMALL).to_dict())
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(gemma2), "--num_gpus", "8"])
+    assert str(error.value) == ("gemma2 needs exact attention (eager, flash_attention_2, flex_attention; see "
+                                "fsdp_recipes/families.py), not sdpa: pass --attn_implementation eager")
+    moe = write_config(tmp_path / "qwen3_moe.json", ARCHITECTURES["qwen3_moe sdpa"][0].to_dict())
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(moe), "--num_gpus", "8", "--mixed_precision", "no"])
+    assert str(error.value) == ("the activations are measured through transformers' grouped_mm experts, which take "
+                                "bf16 only: estimate qwen3_moe with --mixed_precision bf16 or pure_bf16")
     with pytest.raises(ConfigError, match="--num_gpus 6 is not divisible by --num_nodes 4"):
         parse_args(["--model", "x", "--num_gpus", "6", "--num_nodes", "4"])
     proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", "no/such/dir/config.json",
