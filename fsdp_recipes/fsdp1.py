@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import CustomPolicy
 
 from .config import ConfigError
 from .plan import ShardingPlan
@@ -23,15 +22,14 @@ def mixed_precision(plan: ShardingPlan) -> Optional[MixedPrecision]:
     return None
 
 
-def shard(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan, mesh: Optional[DeviceMesh],
+def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: Optional[DeviceMesh],
           device: torch.device) -> FSDP:
+    """Wrap each of `units` (decoder layers, or the size-based units) and the root."""
     if plan.offload_params and device.type == "cpu":
         raise ConfigError("FSDP1 CPU offload (CPUOffload) needs a GPU: torch cannot run it on CPU. On CPU use "
                           "fsdp_version 2, whose CPUOffloadPolicy works there")
-    if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
-        policy = functools.partial(size_based_auto_wrap_policy, min_num_params=plan.min_num_params)
-    else:
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
+    unit_ids = {id(unit) for unit in units}
+    policy = CustomPolicy(lambda module: id(module) in unit_ids)
     is_meta = any(p.is_meta for p in model.parameters())
     return FSDP(
         model,

@@ -112,25 +112,48 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     if plan.torch_compile:
         compile_layers(model, layer_classes, plan)
     mesh = build_mesh(plan, device)
-    if plan.fsdp_version == 1:
-        layers = [m for m in model.modules() if isinstance(m, layer_classes)]
-        plan.wrapped = (f"{len(layers)} x {', '.join(c.__name__ for c in layer_classes)}"
-                        if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else "")
-        model = fsdp1.shard(model, layer_classes, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
-        if not plan.wrapped:
-            units = [m for m in model.modules() if isinstance(m, FSDP) and m is not model]
-            plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
-        return model
     if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
+        # The same units for both engines; modules holding a tied parameter stay in the root.
         units = fsdp2.size_based_units(model, plan.min_num_params, tied_parameter_ids(model))
         plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
     else:
-        # With activation checkpointing, shard the wrapper, so that FSDP's hooks run outside the checkpoint.
-        units = [m for m in model.modules()
-                 if isinstance(m, CheckpointWrapper if plan.activation_checkpointing else layer_classes)]
+        # FSDP1 wraps the layer; FSDP2 shards the checkpoint wrapper, so that its hooks run outside the checkpoint.
+        unit_class = CheckpointWrapper if plan.activation_checkpointing and plan.fsdp_version == 2 else layer_classes
+        units = [m for m in model.modules() if isinstance(m, unit_class)]
         plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
+    check_tied_parameters_share_a_unit(model, units)
+    if plan.fsdp_version == 1:
+        return fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
     fsdp2.shard(model, units, plan, mesh)
     return model
+
+
+def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module]) -> None:
+    """Each FSDP unit shards its own parameters: a tied parameter (embedding and lm_head) whose modules fall in two
+    units would be sharded twice. FSDP2 on torch 2.11 then silently unties it; torch 2.13 and FSDP1 fail with an
+    unreadable error. Refuse it with the classes to leave out of fsdp_transformer_layer_cls_to_wrap."""
+    unit_ids = {id(unit) for unit in units}
+    owners: dict[int, dict[str, type]] = {}  # tied parameter -> {name of the unit that holds it: its class}
+    tied = tied_parameter_ids(model)
+
+    def visit(module: nn.Module, name: str, unit_name: str) -> None:
+        unit_name = name if id(module) in unit_ids else unit_name
+        for param in module.parameters(recurse=False):
+            if id(param) in tied:
+                owners.setdefault(id(param), {})[unit_name] = type(module)
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, unit_name)
+
+    visit(model, "", "")
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    for param_id, holders in owners.items():
+        if len(holders) > 1:
+            wrapped = sorted({cls.__name__ for unit, cls in holders.items() if unit})
+            raise ConfigError(
+                f"{names[param_id]} is tied (shared) across FSDP units ({', '.join(u or 'the root' for u in holders)}), "
+                f"which would shard it twice: leave {', '.join(wrapped)} out of fsdp_transformer_layer_cls_to_wrap")
 
 
 def compile_layers(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan) -> None:

@@ -43,6 +43,9 @@ TIED = {  # the tied-embeddings model, against its own unsharded reference
     "fsdp2_tied": {"fsdp_version": 2},
     "fsdp1_tied_rank0_load": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"},
     "fsdp2_tied_rank0_load": {"fsdp_cpu_ram_efficient_loading": "true"},
+    # The embedding and lm_head stay in the root unit, as with FSDP2 (FSDP1's own size policy split them).
+    "fsdp1_tied_size_wrap": {"fsdp_version": 1, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                             "fsdp_min_num_params": 20000},
 }
 PARITY_TOLERANCE = 1e-5
 BF16_TOLERANCE = 1e-2  # measured: 1.1e-3 (bf16 compute) and 1.4e-3 (pure bf16) over the 10 steps
@@ -184,7 +187,8 @@ def test_printed_plan_describes_the_engine(runs):
     assert "strategy: HYBRID_SHARD, mesh 1 x 2" in plans["fsdp1_hybrid_shard"]
     assert "strategy: shard mesh 2, reshard_after_forward=False" in plans["fsdp2_no_reshard"]
     assert "strategy: HSDP (replicate x shard) mesh 2 x 1, reshard_after_forward=True" in plans["fsdp2_hsdp"]
-    assert "wrapped: 3 x size-based (20,000 parameters or more), then the root" in plans["fsdp2_size_wrap"]
+    for engine in ("fsdp1", "fsdp2"):  # the same units
+        assert "wrapped: 3 x size-based (20,000 parameters or more), then the root" in plans[f"{engine}_size_wrap"]
     assert "loading: rank 0 reads the weights, broadcast while sharding" in plans["fsdp2_rank0_load"]
     assert "parameters: 80,192 total, 40,096 on rank 0" in plans["fsdp2_reshard"]
     assert "gradient sync: every micro-batch" in plans["fsdp2_reshard"]

@@ -7,7 +7,7 @@ import torch
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import check_master_dtype, find_layer_classes
+from fsdp_recipes.sharding import check_master_dtype, check_tied_parameters_share_a_unit, find_layer_classes
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
     "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_VERSION": "2",
@@ -117,9 +117,9 @@ def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message
         plan_for(*args)
 
 
-def tiny_model(dtype=torch.float32):
-    return demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32,
-                                                        intermediate_size=64, num_hidden_layers=1)).to(dtype)
+def tiny_model(dtype=torch.float32, **config):
+    return demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=1, **config)).to(dtype)
 
 
 def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
@@ -128,6 +128,19 @@ def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
     with pytest.raises(ConfigError, match=r"names LlamaBlock, which is not a module class of LlamaForCausalLM; "
                                           r"its module classes are: .*LlamaDecoderLayer.*LlamaRMSNorm"):
         find_layer_classes(model, ["LlamaBlock"])
+
+
+def test_a_tied_parameter_split_over_two_units_is_refused():
+    # fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer,Embedding: the embedding becomes a unit of its own,
+    # while lm_head, which shares its weight, stays in the root.
+    model = tiny_model(tie_word_embeddings=True)
+    layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
+    check_tied_parameters_share_a_unit(model, layers)
+    with pytest.raises(ConfigError) as error:
+        check_tied_parameters_share_a_unit(model, [*layers, model.model.embed_tokens])
+    assert str(error.value) == (
+        "model.embed_tokens.weight is tied (shared) across FSDP units (model.embed_tokens, the root), which would "
+        "shard it twice: leave Embedding out of fsdp_transformer_layer_cls_to_wrap")
 
 
 def test_master_weights_must_have_the_planned_dtype(monkeypatch):
