@@ -92,6 +92,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
             module._buffers[name] = buffers[state_dict_name(f"{module_name}.{name}".lstrip("."))].to(device)
     if isinstance(model, FSDP):
         _broadcast_into_fsdp1_shards(model, full_state)
+        _broadcast_persistent_buffers(model, full_state)
     else:
         set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
                                                                          broadcast_from_rank0=True))
@@ -121,3 +122,15 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
                 with torch.no_grad():
                     param.copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
             del full
+
+
+def _broadcast_persistent_buffers(model: nn.Module, full_state: dict) -> None:
+    """Rank 0's values of the buffers the checkpoint holds (e.g. Gemma 4's layer_scalar), in place of the values
+    the model's constructor gave them; FSDP2's set_model_state_dict loads them with the parameters."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            if dist.get_rank() == 0:
+                buffer.copy_(full_state[state_dict_name(f"{module_name}.{name}".lstrip("."))])
+            dist.broadcast(buffer, src=0)

@@ -23,10 +23,11 @@ MASTER_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.b
 
 def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type, ...]:
     """The module classes to wrap: the names given, else the model's `_no_split_modules`, else its decoder layers."""
-    names = names or list(getattr(model, "_no_split_modules", None) or [])
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     if not names:
-        return (find_decoder_layer_class(model),)
+        # A class may declare the layers of its other variants too (Gemma 3's vision tower in a text-only model).
+        names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in by_name]
+        return tuple(by_name[n] for n in names) if names else (find_decoder_layer_class(model),)
     missing = [n for n in names if n not in by_name]
     if missing:
         raise ConfigError(

@@ -11,8 +11,8 @@ import yaml
 from torch import nn
 from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
-                          LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+                          Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from conftest import REPO, read_metrics, run, torchrun
 from fsdp_recipes import demo
@@ -261,6 +261,26 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
     assert "wrapped: 2 x BioGptDecoderLayer, then the root" in result["stdout"]
+
+
+def test_fsdp1_rank0_loading_keeps_the_checkpoints_buffers(data, tmp_path):
+    """Gemma 4 through the generic recipe: its _no_split_modules also names vision and audio layers, which a
+    text-only model lacks; its layer_scalar is a persistent buffer, which FSDP1's rank-0 loading must broadcast."""
+    config = Gemma4TextConfig(**TINY, sliding_window=WINDOW, global_head_dim=16, hidden_size_per_layer_input=8,
+                              vocab_size_per_layer_input=len(TOKENIZER))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer, value in zip(model.model.layers, (0.5, 1.5)):
+        layer.layer_scalar.fill_(value)
+    model.save_pretrained(tmp_path / "model")
+    TOKENIZER.save_pretrained(tmp_path / "model")
+    proc = torchrun("recipes/sft.py", "--model_name_or_path", tmp_path / "model", "--dataset_name", data,
+                    "--output_dir", tmp_path / "run", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                    "--max_seq_length", "64", "--mixed_precision", "no", "--save_dtype", "float32",
+                    "--fsdp_version", "1", "--fsdp_cpu_ram_efficient_loading", "true")
+    assert "wrapped: 2 x Gemma4TextDecoderLayer, then the root" in proc.stdout
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert [layer.layer_scalar.item() for layer in exported.model.layers] == [0.5, 1.5]  # not the initial 1.0
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
