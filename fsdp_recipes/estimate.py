@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from .cli import run_main
 from .config import ConfigError
-from .families import EXACT_ATTENTION
+from .families import exact_attention
 from .flops import build_meta_model
 from .plan import PRECISIONS
 from .sharding import MASTER_DTYPE, find_layer_classes
@@ -324,9 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = load_config(args.model)
-    allowed = EXACT_ATTENTION.get(config.model_type)
+    allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
-        raise ConfigError(f"{config.model_type} needs exact attention ({', '.join(allowed)}; see "
+        raise ConfigError(f"{config.model_type} needs attention with soft-capping ({', '.join(allowed)}; see "
                           f"fsdp_recipes/families.py), not {args.attn_implementation}: pass --attn_implementation eager")
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision])
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation)

@@ -9,12 +9,17 @@ from transformers import AutoConfig
 from .config import ConfigError, TrainConfig
 
 
-# The attention implementations that compute a model type exactly, checked by every recipe (the generic sft.py
-# too); a recipe's MODEL_TYPES may narrow them further.
-EXACT_ATTENTION: dict[str, tuple[str, ...]] = {
-    # Attention soft-capping: transformers 5.17 runs sdpa without it (later versions refuse sdpa).
-    "gemma2": ("eager", "flash_attention_2", "flex_attention"),
-}
+# The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma): transformers 5.17 runs
+# sdpa without it, later versions refuse sdpa for Gemma 2 only.
+SOFT_CAPPING_ATTENTION = ("eager", "flash_attention_2", "flex_attention")
+
+
+def exact_attention(config) -> tuple[str, ...] | None:
+    """The attention implementations that compute this model exactly (None: any), checked by every recipe (the
+    generic sft.py too); a recipe's MODEL_TYPES may narrow them further."""
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        return SOFT_CAPPING_ATTENTION
+    return None
 
 
 def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:
@@ -22,8 +27,8 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
 
     A recipe's YAML holds defaults for its family (e.g. Gemma 2's eager attention), so another family's model is
     refused rather than trained with them. `model_types` maps config.json's model_type to the attention
-    implementations the recipe allows for it (None: those of EXACT_ATTENTION, or any); `model_types` None (the
-    generic recipe) takes every model type, with the attention implementations of EXACT_ATTENTION.
+    implementations the recipe allows for it (None: those of exact_attention, or any); `model_types` None (the
+    generic recipe) takes every model type, with the attention implementations of exact_attention.
     """
     if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
         raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
@@ -32,7 +37,8 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     except OSError as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(f"model_name_or_path: {e}") from e
     recipe = os.path.basename(recipe)
-    _check_attention(cfg, config.model_type, EXACT_ATTENTION.get(config.model_type), "fsdp_recipes/families.py")
+    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
+                     "soft-capping")
     if model_types is None:
         return
     if config.model_type not in model_types:

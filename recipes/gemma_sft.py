@@ -41,7 +41,7 @@ from fsdp_recipes.trainer import train
 # config.json's model_type values this recipe trains, each with the attention implementations that compute the
 # model exactly (None: any). The YAML config holds the rest: hub id, learning rate, sequence length.
 # Gemma 2's attention implementations (eager, flash or flex: sdpa would skip soft-capping) are those of
-# fsdp_recipes/families.py's EXACT_ATTENTION, which every recipe checks.
+# fsdp_recipes/families.py's exact_attention, which every recipe checks.
 MODEL_TYPES = {"gemma2": None, "gemma3_text": None}
 # ---- Shared by every recipe (tests/test_recipes.py keeps it identical, so a fix reaches them all) ----
 

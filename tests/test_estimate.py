@@ -190,8 +190,8 @@ def test_bad_input_is_one_clear_line(tmp_path):
     gemma2 = write_config(tmp_path / "gemma2.json", Gemma2Config(**SMALL).to_dict())
     with pytest.raises(ConfigError) as error:
         main(["--model", str(gemma2), "--num_gpus", "8"])
-    assert str(error.value) == ("gemma2 needs exact attention (eager, flash_attention_2, flex_attention; see "
-                                "fsdp_recipes/families.py), not sdpa: pass --attn_implementation eager")
+    assert str(error.value) == ("gemma2 needs attention with soft-capping (eager, flash_attention_2, flex_attention; "
+                                "see fsdp_recipes/families.py), not sdpa: pass --attn_implementation eager")
     moe = write_config(tmp_path / "qwen3_moe.json", ARCHITECTURES["qwen3_moe sdpa"][0].to_dict())
     with pytest.raises(ConfigError) as error:
         main(["--model", str(moe), "--num_gpus", "8", "--mixed_precision", "no"])

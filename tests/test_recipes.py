@@ -12,7 +12,7 @@ from torch import nn
 from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
                           Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM, VaultGemmaConfig)
 
 from conftest import REPO, read_metrics, run, torchrun
 from fsdp_recipes import demo
@@ -208,8 +208,15 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     generic = ["--config", "recipes/configs/sft.yaml", "--model_name_or_path", str(gemma2), "--dataset_name", "d"]
     check_model_type(parse_config(generic + ["--attn_implementation", "eager"]), None, "recipes/sft.py")
     with pytest.raises(ConfigError, match=r"gemma2 models need attn_implementation eager or flash_attention_2 or "
-                                          r"flex_attention \(see fsdp_recipes/families.py\), got sdpa"):
+                                          r"flex_attention \(see fsdp_recipes/families.py: attention soft-capping\), "
+                                          r"got sdpa"):
         check_model_type(parse_config(generic), None, "recipes/sft.py")
+    # Whatever the model type: VaultGemma soft-caps its attention too; Gemma 3 does not.
+    vaultgemma = write_model(tmp_path / "vaultgemma", VaultGemmaConfig(**TINY))
+    with pytest.raises(ConfigError, match=r"vaultgemma models need attn_implementation eager or"):
+        check_model_type(parse_config([*generic[:3], str(vaultgemma), *generic[4:]]), None, "recipes/sft.py")
+    gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
+    check_model_type(parse_config([*generic[:3], str(gemma3), *generic[4:]]), None, "recipes/sft.py")
     with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: .*"
                                           r"`make new-recipe MODEL=gemma2`"):
         check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
