@@ -373,7 +373,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
     else:
         # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
-        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size)
+        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)
     dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if rank == 0:

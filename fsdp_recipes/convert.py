@@ -4,7 +4,9 @@
 
 It streams: each output file's safetensors header is planned from the DCP metadata alone, then its tensors are
 loaded from the checkpoint one at a time, cast, and appended to the open file, so peak memory is about twice the
-largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model.
+largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model. A mixture
+of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is held
+with its split copies.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import zipfile
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig
 
 from .checkpoint import STATE_NAME, CheckpointError, SafeFileSystemReader, read_dcp_metadata, validate_checkpoint
 from .cli import run_main
-from .export import replace_dir, write_hf_weights
+from .export import original_layout_of, replace_dir, write_hf_weights
+from .flops import build_meta_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -58,10 +62,15 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
             dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
         return tensor
 
+    shapes = {name: md.size for name, md in tensors.items()}
+    # The original (Hub) layout, as final/ is written; a model with its own code (auto_map) has no conversions.
+    if "auto_map" not in config:
+        layout = original_layout_of(build_meta_model(AutoConfig.from_pretrained(checkpoint)), shapes)
+        shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    write_hf_weights(tmp, {name: md.size for name, md in tensors.items()}, dtype, max_shard_size, load_tensor)
+    write_hf_weights(tmp, shapes, dtype, max_shard_size, load_tensor)
     # Tokenizer and generation config as saved with the checkpoint; config.json records the output dtype.
     for name in os.listdir(checkpoint):
         if os.path.isfile(os.path.join(checkpoint, name)) and name not in (STATE_NAME, "config.json"):

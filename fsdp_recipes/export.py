@@ -2,6 +2,9 @@
 (sharded with an index once over `max_shard_size`), tokenizer files and generation_config.json.
 
 The writer takes tensors one at a time, so the converter (convert.py) can stream a sharded checkpoint through it.
+The weights are written in the model's original (Hub) layout, as save_pretrained writes them: transformers 5 fuses
+some on load (a mixture of experts' per-expert matrices into one tensor), which other tools (vLLM, older
+transformers) do not read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
 from .sharding import compute_device, state_dict_name
@@ -137,7 +141,7 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
     tmp_dir = out_dir.rstrip("/") + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    write_full_weights(model, tmp_dir, dtype, max_shard_size)
+    write_full_weights(model, tmp_dir, dtype, max_shard_size, original_layout=True)
     if dist.get_rank() == 0:
         write_model_files(model, tokenizer, tmp_dir, dtype)
         replace_dir(tmp_dir, out_dir)
@@ -153,11 +157,56 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator))
 
 
-def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size) -> None:
-    """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`."""
+def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size,
+                       original_layout: bool) -> None:
+    """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`: in the original
+    layout for an HF folder, in the model's own (what load_state_dict takes) for a training checkpoint."""
     state_dict = gather_full_state_dict(model)
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}
-        write_hf_weights(out_dir, shapes, dtype, max_shard_size, state_dict.__getitem__)
+        load_tensor = state_dict.pop  # each tensor is freed once written
+        if original_layout:
+            layout = original_layout_of(model.module if isinstance(model, FSDP) else model, shapes)
+            shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
+        write_hf_weights(out_dir, shapes, dtype, max_shard_size, load_tensor)
+
+
+class OriginalLayout:
+    """Which tensors each of the model's tensors is saved as in its original layout, and a loader that converts
+    one source tensor at a time (holding it and its converted copies only until they are written)."""
+
+    def __init__(self, model: nn.Module, targets: dict[str, dict[str, torch.Size]]):
+        self.model, self.targets = model, targets
+        # Grouped by source: a source's targets are written one after another, so it is loaded once.
+        self.shapes = {name: shape for outputs in targets.values() for name, shape in outputs.items()}
+        self.source = {name: source for source, outputs in targets.items() for name in outputs}
+
+    def loader(self, load_source: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        converted: dict[str, torch.Tensor] = {}
+
+        def load(name: str) -> torch.Tensor:
+            source = self.source[name]
+            if list(self.targets[source]) == [source]:
+                return load_source(source)
+            if name not in converted:
+                converted.clear()
+                converted.update(revert_weight_conversion(self.model, {source: load_source(source)}))
+            return converted.pop(name)
+
+        return load
+
+
+def original_layout_of(model: nn.Module, shapes: dict[str, torch.Size]) -> OriginalLayout:
+    """transformers' reverse of the conversions it applies on load, planned on meta tensors one tensor at a time.
+    A conversion that needs several tensors at once is not written converted: the model's own layout is kept."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    targets = {name: {target: t.shape for target, t in revert_weight_conversion(model, {name: tensor}).items()}
+               for name, tensor in meta.items()}
+    whole = {name: t.shape for name, t in revert_weight_conversion(model, meta).items()}
+    if whole != {name: shape for outputs in targets.values() for name, shape in outputs.items()}:
+        print(f"export: {type(model).__name__}'s original layout joins several tensors into one: its weights are "
+              f"written in transformers' in-memory layout, which from_pretrained also loads", flush=True)
+        targets = {name: {name: shape} for name, shape in shapes.items()}
+    return OriginalLayout(model, targets)

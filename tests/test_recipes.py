@@ -10,6 +10,7 @@ import torch
 import yaml
 from torch import nn
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
                           Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, VaultGemmaConfig)
@@ -47,7 +48,7 @@ FAMILIES = {
     "phi3": ("phi3_sft", "phi3_sft", Phi3Config(**TINY), "Phi3DecoderLayer", []),
     "qwen3_moe": ("qwen3_moe_sft", "qwen3_moe_sft",
                   Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-                  "Qwen3MoeDecoderLayer", []),
+                  "Qwen3MoeDecoderLayer", ["--save_steps", "8"]),
 }
 
 
@@ -139,6 +140,14 @@ def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
         assert shapes["model.layers.0.mlp.experts.down_proj"] == (2, 64, 32)
         # The router loss is computed and logged at every step (about top_k for a balanced router).
         assert all(1.0 < m["router_aux_loss"] < 4.0 for m in result["metrics"])
+        # final/ and the converted checkpoint hold the original (Hub) layout, as save_pretrained wrote the source:
+        # per-expert gate_proj, up_proj and down_proj, not transformers 5's fused gate_up_proj.
+        final = load_file(tmp_path / "run" / "final" / "model.safetensors")
+        assert final.keys() == load_file(model_dir / "model.safetensors").keys()
+        assert "model.layers.0.mlp.experts.3.gate_proj.weight" in final
+        run([sys.executable, "-m", "fsdp_recipes.convert", tmp_path / "run" / "checkpoint-8", tmp_path / "converted"])
+        converted = load_file(tmp_path / "converted" / "model.safetensors")
+        assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
 
 
 def test_router_aux_loss_is_weighted_as_hf_trainer_does():

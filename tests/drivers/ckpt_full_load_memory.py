@@ -67,7 +67,7 @@ with distributed() as env:
         model = shard_model(model, resolve_plan(cfg), env.device)
         folder = os.path.join(work_dir, f"fsdp{fsdp_version}")
         # The model files of a checkpoint of each format, as save_checkpoint writes them.
-        write_full_weights(model, folder, torch.float32, "5GB")
+        write_full_weights(model, folder, torch.float32, "5GB", original_layout=False)
         dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(folder, "model"))
         saved = get_model_state_dict(model, options=full)
         for fmt in ("full", "sharded"):
