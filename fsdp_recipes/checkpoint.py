@@ -43,7 +43,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
 from .export import INDEX_NAME, replace_dir, tied_parameter_names, write_full_weights, write_model_files
 from .schedule import count_total_steps
-from .sharding import state_dict_name
+from .sharding import buffers_beside_parameters, state_dict_name
 
 STATE_NAME = "trainer_state.json"
 LATEST_NAME = "latest"
@@ -441,7 +441,8 @@ def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
         for name in tied_parameter_names(model):
             full[name] = full[_tied_source(model, name)]
     # strict (the default): a missing or unexpected weight is an error.
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with buffers_beside_parameters(model):
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _tied_source(model: nn.Module, tied_name: str) -> str:

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from .config import ConfigError, TrainConfig
 from .plan import ShardingPlan
-from .sharding import MASTER_DTYPE, shard_model, state_dict_name
+from .sharding import MASTER_DTYPE, buffers_beside_parameters, shard_model, state_dict_name
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -94,8 +94,9 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         _broadcast_into_fsdp1_shards(model, full_state)
         _broadcast_persistent_buffers(model, full_state)
     else:
-        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
-                                                                         broadcast_from_rank0=True))
+        with buffers_beside_parameters(model):
+            set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
+                                                                             broadcast_from_rank0=True))
     return model
 
 

@@ -188,6 +188,23 @@ def compute_device(model: nn.Module) -> torch.device:
     return param.device
 
 
+@contextlib.contextmanager
+def buffers_beside_parameters(model: nn.Module):
+    """torch's full-state-dict load (set_model_state_dict with broadcast_from_rank0) wants all of the model's
+    state-dict tensors on one device ("Multiple devices found"); with CPU offload the parameters are on the CPU and
+    the buffers on the GPU. A persistent buffer (Gemma 4's layer_scalar) joins the parameters for the load."""
+    device = next(model.parameters()).device
+    buffers = [(module, name, buffer.device) for module in model.modules()
+               for name, buffer in module._buffers.items() if buffer is not None]
+    for module, name, _ in buffers:
+        module._buffers[name] = module._buffers[name].to(device)
+    try:
+        yield
+    finally:
+        for module, name, home in buffers:
+            module._buffers[name] = module._buffers[name].to(home)
+
+
 def state_dict_name(name: str) -> str:
     """A parameter's or buffer's name as state-dict keys spell it: without FSDP1's and activation checkpointing's
     wrapper prefixes."""

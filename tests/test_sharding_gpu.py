@@ -86,3 +86,33 @@ def test_a_cpu_config_runs_on_the_cpu_where_there_is_a_gpu(tiny, tmp_path):
     metrics = read_metrics(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert not any("peak_allocated_gib" in m for m in metrics)  # logged on CUDA only
+
+
+def test_offload_loads_persistent_buffers_from_rank0_and_from_a_full_checkpoint(tmp_path):
+    """Gemma 4's layer_scalar is a persistent buffer on the GPU while the offloaded parameters are on the CPU: the
+    rank-0 load and the resume from a full checkpoint put both through one full-state-dict load."""
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from fsdp_recipes import demo
+
+    tokenizer = demo.build_tokenizer()
+    config = Gemma4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                              hidden_size_per_layer_input=8, vocab_size_per_layer_input=len(tokenizer),
+                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer, value in zip(model.model.layers, (0.5, 1.5)):
+        layer.layer_scalar.fill_(value)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "train.jsonl"
+    demo.write_jsonl(data, demo.make_split(seed=1, n_train=64, n_eval=0)[0])
+    args = ["recipes/sft.py", "--model_name_or_path", tmp_path / "model", "--dataset_name", data, "--output_dir",
+            tmp_path / "run", "--per_device_train_batch_size", "2", "--max_seq_length", "64", "--mixed_precision",
+            "no", "--save_dtype", "float32", "--fsdp_offload_params", "true", "--fsdp_cpu_ram_efficient_loading",
+            "true", "--save_steps", "2", "--save_state_dict_type", "full"]
+    torchrun(*args, "--max_steps", "2", nproc=WORLD)
+    torchrun(*args, "--max_steps", "3", "--resume_from_checkpoint", "auto", nproc=WORLD)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert [layer.layer_scalar.item() for layer in exported.model.layers] == [0.5, 1.5]
