@@ -207,7 +207,7 @@ def validate_checkpoint(path: str) -> dict:
     if state.get("format") == "sharded":
         read_dcp_metadata(os.path.join(path, "model"))
     else:
-        for file in _safetensors_files(path):
+        for file in safetensors_files(path):
             try:
                 with safe_open(file, "pt") as f:
                     f.keys()
@@ -227,7 +227,7 @@ def validate_checkpoint(path: str) -> dict:
     return state
 
 
-def _safetensors_files(path: str) -> list[str]:
+def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index):
         with open(index) as f:
@@ -435,7 +435,7 @@ def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
         return
     full = {}
     if dist.get_rank() == 0:
-        for file in _safetensors_files(path):
+        for file in safetensors_files(path):
             with safe_open(file, "pt") as f:
                 full.update({name: f.get_tensor(name) for name in f.keys()})
         for name in tied_parameter_names(model):

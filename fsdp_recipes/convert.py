@@ -1,10 +1,12 @@
-"""Convert a sharded checkpoint to a Hugging Face folder, on CPU, without a process group:
+"""Convert a checkpoint to a Hugging Face folder, on CPU, without a process group:
 
     python -m fsdp_recipes.convert <output_dir>/checkpoint-<step> <out_dir> [--dtype bf16] [--max_shard_size 5GB]
 
-It streams: each output file's safetensors header is planned from the DCP metadata alone, then its tensors are
-loaded from the checkpoint one at a time, cast, and appended to the open file, so peak memory is about twice the
-largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model. A mixture
+A sharded checkpoint (DCP), or a full one: its folder loads with from_pretrained as it is, but in transformers'
+in-memory layout, in fp32; the converter writes the original (Hub) layout, as final/ is, in the dtype asked for.
+It streams: each output file's safetensors header is planned from the checkpoint's metadata alone, then its
+tensors are loaded from the checkpoint one at a time, cast, and appended to the open file, so peak memory is about
+twice the largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model. A mixture
 of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is held
 with its split copies.
 """
@@ -12,6 +14,7 @@ with its split copies.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import io
 import json
@@ -19,15 +22,18 @@ import os
 import shutil
 import struct
 import zipfile
+from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from safetensors import safe_open
 from transformers import AutoConfig
 
-from .checkpoint import STATE_NAME, CheckpointError, SafeFileSystemReader, read_dcp_metadata, validate_checkpoint
+from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read_dcp_metadata, safetensors_files,
+                         validate_checkpoint)
 from .cli import run_main
-from .export import original_layout_of, replace_dir, write_hf_weights
+from .export import INDEX_NAME, original_layout_of, replace_dir, write_hf_weights
 from .flops import build_meta_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,21 +41,44 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, max_shard_size="5GB") -> None:
     state = validate_checkpoint(checkpoint)
-    if state["format"] != "sharded":
-        raise CheckpointError(f"{checkpoint} is a full checkpoint: its folder already loads with from_pretrained")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is not empty: choose a new output folder")
-    model_dir = os.path.join(checkpoint, "model")
-    metadata = read_dcp_metadata(model_dir)
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    tensors = {name: md for name, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    # The checkpoint holds a tied lm_head under both names; an HF folder holds it once and reloads it tied.
-    if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
+    tmp = out_dir.rstrip("/") + ".tmp"
+    with contextlib.ExitStack() as open_files:
+        if state["format"] == "sharded":
+            shapes, load_tensor = sharded_checkpoint_tensors(checkpoint)
+        else:  # its fp32 safetensors, in the layout the resume loads
+            shapes, load_tensor = full_checkpoint_tensors(checkpoint, open_files)
+        # A sharded checkpoint holds a tied lm_head under both names; an HF folder holds it once and reloads it tied.
+        if config.get("tie_word_embeddings"):
+            shapes.pop("lm_head.weight", None)
+        # The original (Hub) layout, as final/ is written; a model with its own code (auto_map) has no conversions.
+        if "auto_map" not in config:
+            layout = original_layout_of(build_meta_model(AutoConfig.from_pretrained(checkpoint)), shapes)
+            shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        write_hf_weights(tmp, shapes, dtype, max_shard_size, load_tensor)
+    # Tokenizer and generation config as saved with the checkpoint; config.json records the output dtype.
+    for name in os.listdir(checkpoint):
+        weights = name.endswith(".safetensors") or name == INDEX_NAME
+        if os.path.isfile(os.path.join(checkpoint, name)) and name not in (STATE_NAME, "config.json") and not weights:
+            shutil.copy(os.path.join(checkpoint, name), tmp)
+    config.update(dtype=str(dtype).removeprefix("torch."), use_cache=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    replace_dir(tmp, out_dir)
 
+
+def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], Callable[[str], torch.Tensor]]:
+    """The shapes of the model's tensors in a DCP checkpoint, from its metadata alone, and a loader of one."""
+    model_dir = os.path.join(checkpoint, "model")
+    metadata = read_dcp_metadata(model_dir)
+    tensors = {name: md for name, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     chunks: dict[str, list] = {}
     for index, info in metadata.storage_data.items():
         chunks.setdefault(index.fqn, []).append((index.offset, info))
@@ -62,23 +91,18 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
             dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
         return tensor
 
-    shapes = {name: md.size for name, md in tensors.items()}
-    # The original (Hub) layout, as final/ is written; a model with its own code (auto_map) has no conversions.
-    if "auto_map" not in config:
-        layout = original_layout_of(build_meta_model(AutoConfig.from_pretrained(checkpoint)), shapes)
-        shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write_hf_weights(tmp, shapes, dtype, max_shard_size, load_tensor)
-    # Tokenizer and generation config as saved with the checkpoint; config.json records the output dtype.
-    for name in os.listdir(checkpoint):
-        if os.path.isfile(os.path.join(checkpoint, name)) and name not in (STATE_NAME, "config.json"):
-            shutil.copy(os.path.join(checkpoint, name), tmp)
-    config.update(dtype=str(dtype).removeprefix("torch."), use_cache=True)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    replace_dir(tmp, out_dir)
+    return {name: md.size for name, md in tensors.items()}, load_tensor
+
+
+def full_checkpoint_tensors(checkpoint: str, open_files: contextlib.ExitStack
+                            ) -> tuple[dict[str, torch.Size], Callable[[str], torch.Tensor]]:
+    """The shapes of a full checkpoint's tensors, from its safetensors headers, and a loader of one (mmap)."""
+    owner, shapes = {}, {}
+    for file in safetensors_files(checkpoint):
+        handle = open_files.enter_context(safe_open(file, "pt"))
+        for name in handle.keys():
+            owner[name], shapes[name] = handle, torch.Size(handle.get_slice(name).get_shape())
+    return shapes, lambda name: owner[name].get_tensor(name)
 
 
 def read_chunk_into(tensor: torch.Tensor, offset: torch.Size, info, model_dir: str) -> bool:
@@ -154,7 +178,7 @@ def keep_tensors_in_their_own_mappings() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a sharded checkpoint-<step> folder")
+    parser.add_argument("checkpoint", help="a checkpoint-<step> folder (sharded or full)")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (must not exist yet)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the written weights")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")

@@ -153,6 +153,10 @@ def test_resume_mid_epoch_gives_equal_losses_optimizer_and_weights(tiny, referen
         optimizer = dcp_contents(resumed / "checkpoint-6" / "optimizer", tmp_path)
         assert_same_optimizer_state(optimizer["state"], saved_optimizer["state"])
         assert optimizer["param_groups"] == saved_optimizer["param_groups"]
+    # A full checkpoint converts to the HF folder the run exports at that step.
+    convert(str(tmp_path / "from_sharded" / "checkpoint-6"), str(tmp_path / "converted"))
+    assert_same_weights(load_file(tmp_path / "converted" / "model.safetensors"), final_weights(reference))
+    assert sorted(os.listdir(tmp_path / "converted")) == sorted(os.listdir(reference / "final"))
 
 
 @pytest.mark.parametrize("fsdp_version, saved_by, loaded_by", [(2, 2, 1), (2, 1, 2), (1, 2, 1)])
