@@ -2,7 +2,7 @@
 
     python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
         [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
-        [--attn_implementation sdpa]
+        [--attn_implementation sdpa|flash_attention_2|flex_attention|eager]
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
 project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
@@ -20,7 +20,9 @@ from unittest import mock
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
+                          PretrainedConfig)
+from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
 from .config import ConfigError
@@ -136,8 +138,27 @@ class _FusedAttentionSaves(torch.autograd.Function):
         return output
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
 def _fused_sdpa(query, key, value, attn_mask=None, **kwargs):
+    # No fused kernel takes grouped-query attention (enable_gqa) in fp32: flash and cuDNN need 16-bit, torch 2.11's
+    # memory-efficient kernel has no GQA. sdpa then runs its math path on the GPU too, keeping L x L scores.
+    if kwargs.get("enable_gqa") and query.dtype == torch.float32:
+        return _SDPA(query, key, value, attn_mask=attn_mask, **kwargs)
     return _FusedAttentionSaves.apply(query, key, value, attn_mask)
+
+
+def _flash_or_flex_attention(module, query, key, value, attention_mask, **kwargs):
+    """Flash and flex attention take grouped-query attention natively and masks as block structure, no bias."""
+    return _FusedAttentionSaves.apply(query, key, value, None).transpose(1, 2).contiguous(), None
+
+
+# Measured through an attention function of its own: transformers refuses sdpa for some models (Gemma 2) that flash
+# and flex attention compute, and neither kernel runs on the meta device.
+MEASURED_FLASH_OR_FLEX = "fsdp_recipes_estimate_fused"  # a name with "flash" in it would load a flash kernel
+AttentionInterface.register(MEASURED_FLASH_OR_FLEX, _flash_or_flex_attention)
+AttentionMaskInterface.register(MEASURED_FLASH_OR_FLEX, flash_attention_mask)
 
 
 def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: int, seq_len: int,
@@ -146,6 +167,8 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     and count the bytes of the distinct tensors autograd saves inside each decoder layer, parameters excluded.
     Whatever the architecture does (extra norms, soft-capping, routing to experts) is counted as it runs; for sdpa,
     which runs its math path (L x L scores) on the meta device, what the GPU's fused kernel saves instead."""
+    if attn_implementation in ("flash_attention_2", "flex_attention"):
+        attn_implementation = MEASURED_FLASH_OR_FLEX
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
                                                  attn_implementation=attn_implementation)
@@ -306,9 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (recipe default)")
     parser.add_argument("--gpu_memory", type=float, default=80, help="GiB per GPU, for what fits (default 80)")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
-    parser.add_argument("--attn_implementation", choices=["sdpa", "eager"], default="sdpa",
-                        help="sdpa: a fused kernel (sdpa, flash or flex attention) that keeps no L x L scores; "
-                             "eager: keeps them (the gemma2 recipe's)")
+    parser.add_argument("--attn_implementation", choices=["sdpa", "flash_attention_2", "flex_attention", "eager"],
+                        default="sdpa", help="as the recipe key; eager keeps the L x L scores")
     args = parser.parse_args(argv)
     for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
         if getattr(args, name) < 1:
@@ -326,8 +348,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.model)
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
-        raise ConfigError(f"{config.model_type} needs attention with soft-capping ({', '.join(allowed)}; see "
-                          f"fsdp_recipes/families.py), not {args.attn_implementation}: pass --attn_implementation eager")
+        raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
+                          f"{' or '.join(allowed)} (see fsdp_recipes/families.py), not {args.attn_implementation}")
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision])
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation)
     print(format_report(model, args, saved))

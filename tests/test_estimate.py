@@ -173,6 +173,24 @@ def test_moe_activations_follow_the_expert_width_and_eager_attention_its_scores(
     assert eager == 4 * 64 * 6 and per_token(llama, "sdpa", 128) == per_token(llama, "sdpa", 64)
 
 
+def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
+    def per_token(config, attn_implementation, mixed_precision="bf16", seq_len=64):
+        return measure_activations(config, mixed_precision, 1, seq_len, attn_implementation).per_layer[0] / seq_len
+
+    llama, gemma2 = LlamaConfig(**SMALL), Gemma2Config(**SMALL)  # 4 query heads, 2 key/value heads
+    for attn_implementation in ("flash_attention_2", "flex_attention"):
+        # In bf16 without a mask, sdpa runs a fused kernel with grouped-query attention too: the same tensors.
+        assert per_token(llama, attn_implementation) == per_token(llama, "sdpa")
+        # Gemma 2 (soft-capping): no L x L scores, unlike its eager attention.
+        assert per_token(gemma2, attn_implementation, seq_len=128) <= per_token(gemma2, attn_implementation)
+    assert per_token(gemma2, "eager", seq_len=128) > per_token(gemma2, "eager")
+    # fp32 with grouped-query attention: no fused kernel takes it, sdpa's math path keeps one fp32 score per head
+    # and key; with as many key/value heads as query heads the memory-efficient kernel keeps none.
+    assert per_token(llama, "sdpa", "no", 128) - per_token(llama, "sdpa", "no", 64) == 4 * 64 * 4
+    mha = LlamaConfig(**{**SMALL, "num_key_value_heads": 4})
+    assert per_token(mha, "sdpa", "no", 128) == per_token(mha, "sdpa", "no", 64)
+
+
 def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
     config = load_config(str(configs["70b"]))
     model = build_meta_model(config, torch.float32)
@@ -190,8 +208,8 @@ def test_bad_input_is_one_clear_line(tmp_path):
     gemma2 = write_config(tmp_path / "gemma2.json", Gemma2Config(**SMALL).to_dict())
     with pytest.raises(ConfigError) as error:
         main(["--model", str(gemma2), "--num_gpus", "8"])
-    assert str(error.value) == ("gemma2 needs attention with soft-capping (eager, flash_attention_2, flex_attention; "
-                                "see fsdp_recipes/families.py), not sdpa: pass --attn_implementation eager")
+    assert str(error.value) == ("gemma2 needs attention with soft-capping: pass --attn_implementation eager or "
+                                "flash_attention_2 or flex_attention (see fsdp_recipes/families.py), not sdpa")
     moe = write_config(tmp_path / "qwen3_moe.json", ARCHITECTURES["qwen3_moe sdpa"][0].to_dict())
     with pytest.raises(ConfigError) as error:
         main(["--model", str(moe), "--num_gpus", "8", "--mixed_precision", "no"])
