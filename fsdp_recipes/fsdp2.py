@@ -23,30 +23,6 @@ def mixed_precision_policy(plan: ShardingPlan) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()  # "no" and "pure_bf16": compute in the dtype the parameters have
 
 
-def size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> list[nn.Module]:
-    """FSDP1's size-based policy for FSDP2: post-order, a module whose not-yet-wrapped parameters reach
-    min_num_params becomes a unit. Modules holding a tied parameter stay in the root (one FSDP2 group)."""
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> tuple[int, bool]:
-        numel, has_tied = 0, False
-        for child in module.children():
-            child_numel, child_tied = visit(child)
-            numel, has_tied = numel + child_numel, has_tied or child_tied
-        for param in module.parameters(recurse=False):
-            numel += param.numel()
-            has_tied = has_tied or id(param) in tied
-        # Containers (ModuleList) have no forward for FSDP2's hooks: their parameters go up to the parent.
-        has_forward = type(module).forward is not nn.Module.forward
-        if module is not model and has_forward and not has_tied and numel >= min_num_params:
-            units.append(module)
-            return 0, False
-        return numel, has_tied
-
-    visit(model)
-    return units
-
-
 def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: DeviceMesh) -> None:
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_params else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed_precision_policy(plan),

@@ -115,7 +115,7 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     mesh = build_mesh(plan, device)
     if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
         # The same units for both engines; modules holding a tied parameter stay in the root.
-        units = fsdp2.size_based_units(model, plan.min_num_params, tied_parameter_ids(model))
+        units = size_based_units(model, plan.min_num_params, tied_parameter_ids(model))
         plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
     else:
         # FSDP1 wraps the layer; FSDP2 shards the checkpoint wrapper, so that its hooks run outside the checkpoint.
@@ -127,6 +127,30 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         return fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
     fsdp2.shard(model, units, plan, mesh)
     return model
+
+
+def size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> list[nn.Module]:
+    """FSDP1's size-based policy, for both engines: post-order, a module whose not-yet-wrapped parameters reach
+    min_num_params becomes a unit. Modules holding a tied parameter stay in the root (one FSDP group)."""
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> tuple[int, bool]:
+        numel, has_tied = 0, False
+        for child in module.children():
+            child_numel, child_tied = visit(child)
+            numel, has_tied = numel + child_numel, has_tied or child_tied
+        for param in module.parameters(recurse=False):
+            numel += param.numel()
+            has_tied = has_tied or id(param) in tied
+        # Containers (ModuleList) have no forward for FSDP2's hooks: their parameters go up to the parent.
+        has_forward = type(module).forward is not nn.Module.forward
+        if module is not model and has_forward and not has_tied and numel >= min_num_params:
+            units.append(module)
+            return 0, False
+        return numel, has_tied
+
+    visit(model)
+    return units
 
 
 def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module]) -> None:
