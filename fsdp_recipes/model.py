@@ -105,7 +105,7 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
 
     torch's broadcast_from_rank0 (and FSDP1's sharded state dict) would build a full or a second sharded copy on
     every rank. This reads FSDP1's flat-parameter layout, stable since torch 2.1: with use_orig_params=True each
-    original parameter is a 1-D view of its part of this rank's shard.
+    original parameter is a view of its part of this rank's shard (1-D, or the whole parameter under NO_SHARD).
     """
     for unit_name, unit in model.named_modules():
         handle = unit._handle if isinstance(unit, FSDP) else None
@@ -121,7 +121,8 @@ def _broadcast_into_fsdp1_shards(model: FSDP, full_state: dict) -> None:
             dist.broadcast(full, src=0)
             if info.in_shard:
                 with torch.no_grad():
-                    param.copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
+                    # view(-1): NO_SHARD (and any FSDP1 on one rank) keeps parameters in their original shape.
+                    param.view(-1).copy_(full.flatten()[info.intra_param_start_idx: info.intra_param_end_idx + 1])
             del full
 
 

@@ -32,6 +32,9 @@ PARITY = {  # fp32: per-step losses must equal the unsharded reference within 1e
     "fsdp2_size_wrap": {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 20000},
     "fsdp1_rank0_load": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"},
     "fsdp2_rank0_load": {"fsdp_cpu_ram_efficient_loading": "true"},
+    # NO_SHARD keeps each parameter whole: the broadcast copies into the original shapes, not 1-D shard slices.
+    "fsdp1_no_shard_rank0_load": {"fsdp_version": 1, "fsdp_sharding_strategy": "NO_SHARD",
+                                  "fsdp_cpu_ram_efficient_loading": "true"},
 }
 BF16 = {  # against the fp32 reference, within BF16_TOLERANCE
     "fsdp1_bf16": {"fsdp_version": 1, "mixed_precision": "bf16"},
@@ -52,7 +55,8 @@ BF16_TOLERANCE = 1e-2  # measured: 1.1e-3 (bf16 compute) and 1.4e-3 (pure bf16) 
 # Sharded: each rank holds half of the unsharded bytes, plus at most this share of the total (FSDP1 pads its flat
 # parameter to a multiple of the world size; the padding is not counted: its original parameters are views).
 SHARD_OVERHEAD = 0.01
-SHARDED = [n for n in {**PARITY, **BF16, **TIED} if n not in ("fsdp1_no_shard", "fsdp2_hsdp")]
+NOT_SHARDED = ["fsdp1_no_shard", "fsdp1_no_shard_rank0_load", "fsdp2_hsdp"]
+SHARDED = [n for n in {**PARITY, **BF16, **TIED} if n not in NOT_SHARDED]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,9 @@ def runs(tiny, tmp_path_factory):
     variants = {**PARITY, **BF16, **{name: {**flags, **tied} for name, flags in TIED.items()}}
     torchrun("tests/drivers/sharding_run.py", out, json.dumps(variants), "--model_name_or_path", tiny["model"],
              "--per_device_train_batch_size", "4", *common)
-    reference = {"unsharded": {}, "unsharded_tied": tied}
+    # One process: FSDP1 on one rank is NO_SHARD (torch switches to it), as on a one-GPU machine.
+    reference = {"unsharded": {}, "unsharded_tied": tied,
+                 "one_process_fsdp1_rank0_load": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"}}
     run([sys.executable, "tests/drivers/sharding_run.py", out, json.dumps(reference), "--model_name_or_path", tiny["model"],
          "--per_device_train_batch_size", "8", *common])
 
@@ -93,6 +99,11 @@ def test_fp32_losses_equal_the_unsharded_process(runs, name):
     norms = [rank["grad_norm"] for rank in runs[name]["ranks"]]
     assert norms[0] == norms[1]
     assert abs(norms[0] - reference["ranks"][0]["grad_norm"] / 2) <= PARITY_TOLERANCE * norms[0]
+
+
+def test_fsdp1_rank0_load_on_one_process_equals_the_unsharded_process(runs):
+    losses, reference = runs["one_process_fsdp1_rank0_load"]["losses"], runs["unsharded"]["losses"]
+    assert max_relative_deviation(losses, reference) <= PARITY_TOLERANCE
 
 
 @pytest.mark.parametrize("name", BF16)
@@ -124,7 +135,7 @@ def test_each_rank_holds_half_of_params_grads_and_optimizer_state(runs, name):
 
 def test_no_shard_and_replicated_hsdp_hold_everything(runs):
     reference = runs["unsharded"]["ranks"][0]
-    for name in ["fsdp1_no_shard", "fsdp2_hsdp"]:
+    for name in NOT_SHARDED:
         for rank in runs[name]["ranks"]:
             assert [rank[k] for k in ("params", "grads", "optimizer_state")] == \
                 [reference[k] for k in ("params", "grads", "optimizer_state")]
