@@ -33,7 +33,8 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    # accelerate's use_cpu (the *_cpu.yaml configs): the CPU even where there is a GPU.
+    # `accelerate launch --cpu` (one process): the CPU even where there is a GPU. The *_cpu.yaml configs hide the
+    # GPUs instead (gpu_ids ""), because accelerate's FSDP launcher does not pass use_cpu on.
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
     if torch.cuda.is_available() and not use_cpu:
         device = torch.device("cuda", local_rank)

@@ -62,11 +62,25 @@ def test_cpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
     config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
     proc = accelerate_launch(f"accelerate_configs/{name}", "recipes/llama_sft.py", "--model_name_or_path",
                              tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
-                             "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64")
+                             "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64",
+                             "--save_steps", "2")
     printed = proc.stdout.split("sharding plan:\n")[1].split("training:")[0]
     assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config)
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "checkpoint-2" / "model" / ".metadata").is_file()  # the YAML's SHARDED_STATE_DICT
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_cpu_config_hides_the_gpus(name):
+    """use_cpu alone reaches only accelerate's one-process launcher: with FSDP, gpu_ids "" is what keeps the
+    processes off a machine's GPUs (and off cuda:1 of a one-GPU machine)."""
+    assert launched_env(name)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_checkpoints_are_sharded(name):
+    assert launched_env(name)["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
 
 
 def launched_env(name: str) -> dict[str, str]:

@@ -78,7 +78,7 @@ def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
 
 
 def test_a_cpu_config_runs_on_the_cpu_where_there_is_a_gpu(tiny, tmp_path):
-    """accelerate's use_cpu: true (the *_cpu.yaml configs) keeps the run off the GPUs."""
+    """The *_cpu.yaml configs (gpu_ids "") keep the run off the GPUs: on one GPU, rank 1 would ask for cuda:1."""
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2_cpu.yaml",
          "--main_process_port", "0", "recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
          tiny["data"], "--output_dir", tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "2",
