@@ -193,7 +193,7 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size: int) -> DataLoader:
+def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
     """Each rank reads a disjoint, equally long part of the data (drop_last), so no rank waits on another."""
     if len(dataset) < world_size * cfg.per_device_train_batch_size:
         raise ConfigError(
@@ -214,7 +214,7 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
         collate_fn=functools.partial(collate, pad_token_id=tokenizer.pad_token_id, flatten=flatten),
         drop_last=True,
         num_workers=cfg.dataloader_num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=pin_memory,
         persistent_workers=cfg.dataloader_num_workers > 0,
     )
 

@@ -24,7 +24,7 @@ def mixed_precision_policy(plan: ShardingPlan) -> MixedPrecisionPolicy:
 
 
 def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: DeviceMesh) -> None:
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload_params else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if plan.offload_params else OffloadPolicy()
     kwargs = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mixed_precision_policy(plan),
                   offload_policy=offload)
     for unit in units:

@@ -121,7 +121,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
           resume_from: str | None = None, eval_dataset=None) -> None:
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end."""
-    loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size)
+    loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
+                              pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
     optimizer = build_optimizer(model, cfg)

@@ -539,7 +539,8 @@ def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
     dataset = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(11)], "labels": [[i, i] for i in range(11)]})
 
     def steps(rank, seed=0, n=3):
-        loader = build_dataloader(dataset, cfg("unused", per_device_train_batch_size=2, seed=seed), TOKENIZER, rank, 2)
+        loader = build_dataloader(dataset, cfg("unused", per_device_train_batch_size=2, seed=seed), TOKENIZER, rank, 2,
+                                  pin_memory=False)
         stream = optimizer_step_batches(loader, accumulation=2)
         return [[mb["input_ids"][:, 0].tolist() for mb in next(stream)] for _ in range(n)]
 

@@ -34,7 +34,8 @@ def test_dataloader_workers_give_the_batches_of_the_main_process():
     rows = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in range(3, 35)]
     dataset = datasets.Dataset.from_list(rows)
     loaders = [build_dataloader(dataset, TrainConfig(model_name_or_path="m", dataset_name="d", dataloader_num_workers=n,
-                                                     per_device_train_batch_size=4), tokenizer, rank=1, world_size=2)
+                                                     per_device_train_batch_size=4), tokenizer, rank=1, world_size=2,
+                                pin_memory=False)
                for n in (0, 2)]
     assert loaders[1].num_workers == 2 and loaders[1].persistent_workers
     for epoch in (0, 1):  # the sampler's epoch reaches the persistent workers' order

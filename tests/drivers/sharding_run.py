@@ -106,7 +106,7 @@ with distributed() as env:
             model = load_sharded_model(cfg, plan, env.device)
             description = describe_plan(model, plan)
         train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
-        batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size)))
+        batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size, pin_memory=False)))
         # What the export gathers: with CPU offload too, the full weights must not stay on a GPU.
         gpu_tensors_in_export = sum(t.is_cuda for t in gather_full_state_dict(model).values())
         record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch),
