@@ -175,6 +175,14 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                   env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP"), None)
     min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
                           100_000_000)
+    # Each policy reads one of the two keys: the other, set in the recipe config, would be ignored without a word.
+    # (accelerate exports fsdp_min_num_params whatever its policy, so only the recipe's values are checked.)
+    if wrap == "TRANSFORMER_BASED_WRAP" and cfg.fsdp_min_num_params is not None:
+        raise ConfigError("fsdp_min_num_params is a SIZE_BASED_WRAP setting: remove it, or set "
+                          "fsdp_auto_wrap_policy SIZE_BASED_WRAP")
+    if wrap == "SIZE_BASED_WRAP" and cfg.fsdp_transformer_layer_cls_to_wrap is not None:
+        raise ConfigError("fsdp_transformer_layer_cls_to_wrap is a TRANSFORMER_BASED_WRAP setting: remove it, or "
+                          "set fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP")
 
     precision = pick("mixed_precision", cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"), "bf16")
     if precision not in PRECISIONS:
