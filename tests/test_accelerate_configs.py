@@ -2,11 +2,13 @@
 code into the recipe's plan; in both cases the plan printed matches the one the YAML describes."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env
 
@@ -50,6 +52,17 @@ def expected_plan(config: dict, world: int = 2) -> list[str]:
 
 def test_cpu_configs_are_found():
     assert CPU_CONFIGS == ["fsdp1_cpu.yaml", "fsdp2_ac_cpu.yaml", "fsdp2_cpu.yaml", "fsdp2_offload_cpu.yaml"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_key_is_one_accelerate_reads(name):
+    """accelerate drops a key it does not know without a word (a misspelled fsdp_config key would never reach the
+    recipe), so each key of a shipped config must be one of its config fields or launch options."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    options = {action.dest for action in launch_command_parser()._actions}
+    assert set(config) <= {field.name for field in dataclasses.fields(ClusterConfig)}
+    for section in ("fsdp_config", "parallelism_config"):
+        assert set(config.get(section, {})) <= options, section
 
 
 @pytest.mark.parametrize("name", CONFIGS)
