@@ -5,10 +5,10 @@
 A sharded checkpoint (DCP), or a full one: its folder loads with from_pretrained as it is, but in transformers'
 in-memory layout, in fp32; the converter writes the original (Hub) layout, as final/ is, in the dtype asked for.
 It streams: each output file's safetensors header is planned from the checkpoint's metadata alone, then its
-tensors are loaded from the checkpoint one at a time, cast, and appended to the open file, so peak memory is about
-twice the largest tensor (the tensor and the copy dcp.load reads it from), not one output file or the whole model. A mixture
-of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is held
-with its split copies.
+tensors are read from the checkpoint one at a time (each stored chunk straight into the output tensor), cast, and
+appended to the open file, so peak memory is about the largest tensor, not one output file or the whole model. A
+mixture of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is
+held with its split copies.
 """
 
 from __future__ import annotations
