@@ -206,7 +206,8 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     try:
         with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
-            model(input_ids=input_ids)
+            # use_cache: without a cache transformers looks for packed sequences, reading values meta lacks.
+            model(input_ids=input_ids, use_cache=True)
     finally:
         for handle in handles:
             handle.remove()

@@ -159,6 +159,12 @@ def test_activations_measured_on_the_meta_device_equal_what_autograd_saves(name)
     assert saved.tokens == 128 and saved.layer_input == 128 * 64 * 2  # bf16 hidden states
 
 
+def test_a_config_without_kv_cache_is_measured_alike():
+    # Many fine-tuned checkpoints ship use_cache: false; on the meta device that path read tensor values.
+    assert measure_activations(LlamaConfig(**SMALL, use_cache=False), "bf16", 2, 64, "sdpa") == \
+        measure_activations(LlamaConfig(**SMALL), "bf16", 2, 64, "sdpa")
+
+
 def test_moe_activations_follow_the_expert_width_and_eager_attention_its_scores():
     def per_token(config, attn_implementation="sdpa", seq_len=64):
         return measure_activations(config, "bf16", 1, seq_len, attn_implementation).per_layer[0] / seq_len
