@@ -116,8 +116,7 @@ def worker(args) -> None:
         torch.manual_seed(args.seed)
         model = LlamaForCausalLM(model_config(args))
         cfg = TrainConfig(model_name_or_path="bench", dataset_name="bench", mixed_precision=precision,
-                          fsdp_version=2 if engine == "plain" else int(engine[-1]), learning_rate=1e-4,
-                          torch_compile=args.torch_compile)
+                          fsdp_version=2 if engine == "plain" else int(engine[-1]), learning_rate=1e-4)
         fewer_collectives = "1-sync" in args.worker
         if fewer_collectives:
             cfg.fsdp_reshard_after_forward, cfg.gradient_sync = False, "last_micro_batch"
@@ -248,7 +247,6 @@ def main() -> None:
     model.add_argument("--micro_batches", type=int, default=4, help="per optimizer step, all ranks together")
     model.add_argument("--warmup_steps", type=int, default=1)
     model.add_argument("--steps", type=int, default=2)
-    model.add_argument("--torch_compile", action="store_true", help="compile the decoder layers of FSDP2 variants")
     model.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.worker:
@@ -258,9 +256,11 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from: {', '.join(VARIANTS)}")
+    # 2 processes split each step's micro-batches: an odd count would leave one out of theirs, not the reference's.
+    if args.micro_batches % 2 and any(VARIANTS[n][0] == 2 for n in names):
+        raise SystemExit(f"--micro_batches {args.micro_batches} does not split over 2 processes: pass an even count")
     passthrough = [f"--{k}={v}" for k, v in vars(args).items()
-                   if k not in ("out", "variants", "repeats", "worker", "torch_compile")]
-    passthrough += ["--torch_compile"] if args.torch_compile else []
+                   if k not in ("out", "variants", "repeats", "worker")]
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['load_average_1_5_15']}, "
           f"torch {info['torch']}", flush=True)

@@ -26,3 +26,9 @@ def test_throughput_benchmark_compares_variants_on_the_same_batches(tmp_path):
     assert len(fsdp2["peak_rss_mb_per_rank"]) == 2
     table = proc.stdout.split("real tok/s")[1]
     assert "reference fp32 packed" in table and "FSDP2 fp32 packed" in table
+
+
+def test_an_odd_micro_batch_count_is_refused_for_two_processes():
+    proc = run([sys.executable, "bench/train_throughput.py", "--micro_batches", "3", "--variants", "FSDP2 fp32 packed"],
+               expect_rc=1)
+    assert "--micro_batches 3 does not split over 2 processes" in proc.stderr
