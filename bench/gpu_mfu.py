@@ -11,7 +11,9 @@ sequences of --seq_len tokens packed from instruction-like examples (log-normal 
 example, sdpa). Each variant runs in its own process: warm-up steps (the compilation happens there), then timed
 steps between two device synchronisations.
 MFU = model FLOPs per token (fsdp_recipes.flops: 6 x matmul parameters + attention, recomputation not counted)
-x tokens per second / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200).
+x tokens per second / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200). Attention is counted over the
+mean row length, as the trainer's mfu metric counts it (sdpa computes each whole row, the other examples masked);
+`mfu_attention_per_example` counts each packed example attending to itself only, the FLOPs the model needs.
 Without a GPU it runs on the CPU, slowly (its test runs a tiny config there), with MFU only given --peak_tflops.
 """
 
@@ -79,6 +81,19 @@ def packed_steps(args, n_steps: int, vocab_size: int) -> list[list[dict]]:
     return [micro[s * args.accumulation:(s + 1) * args.accumulation] for s in range(n_steps)]
 
 
+def attention_lengths(micro_batches: list[dict]) -> tuple[float, float]:
+    """(mean row length; the mean over real tokens of the length of the packed example each belongs to, i.e. the
+    keys it would attend to if each example saw only itself). Examples start where position_ids restart at 0."""
+    lengths = []  # of the examples, real tokens only (collate's padding is a sequence of its own, all masked)
+    for mb in micro_batches:
+        for positions, mask in zip(mb["position_ids"].tolist(), mb["attention_mask"].tolist()):
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+            lengths += [sum(mask[start:end]) for start, end in zip(starts, starts[1:])]
+    slots = sum(mb["attention_mask"].numel() for mb in micro_batches)
+    rows = sum(mb["attention_mask"].shape[0] for mb in micro_batches)
+    return slots / rows, sum(n * n for n in lengths) / sum(lengths)
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -132,7 +147,9 @@ def worker(args) -> None:
         synchronize(env.device)
         seconds = time.perf_counter() - start
         tokens_per_second = sum(tokens for tokens, _ in timed) / seconds
-        flops = training_flops_per_token(model, args.seq_len)
+        row_length, example_length = attention_lengths([mb for step in steps[args.warmup_steps:] for mb in step])
+        flops = training_flops_per_token(model, round(row_length))
+        flops_per_example = training_flops_per_token(model, round(example_length))
         peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(env.device)
         print("RESULT " + json.dumps({
             "variant": args.worker, "device": device_name(env.device),
@@ -142,9 +159,23 @@ def worker(args) -> None:
             "warmup_seconds": round(warmup_seconds, 1), "tokens_per_second": round(tokens_per_second),
             "flops_per_token": flops, "tflops_per_second": round(flops * tokens_per_second / 1e12, 1),
             "mfu": round(flops * tokens_per_second / peak, 4) if peak else None,
+            "mean_row_length": round(row_length, 1), "mean_example_length": round(example_length, 1),
+            "mfu_attention_per_example": round(flops_per_example * tokens_per_second / peak, 4) if peak else None,
             **{key: round(value, 1) for key, value in local_peak_memory(env.device).items()},
         }), flush=True)
     exit_process(0)
+
+
+def run_variant(name: str, passthrough: list[str], timeout: float) -> dict:
+    """One variant in a process of its own: its RESULT, or the error that stopped it."""
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, *passthrough],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": name, "error": "timed out: time budget spent"}
+    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    error = proc.stderr.strip()[-300:] or f"exited {proc.returncode} without a result"
+    return json.loads(lines[0]) if lines else {"variant": name, "error": error}
 
 
 def main() -> None:
@@ -176,34 +207,26 @@ def main() -> None:
     start, results = time.perf_counter(), []
     for name in names:
         left = args.budget_s - (time.perf_counter() - start)
-        if left < 30:
-            results.append({"variant": name, "error": "skipped: time budget spent"})
-            continue
-        try:
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, *passthrough],
-                                  capture_output=True, text=True, timeout=left)
-            lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            error = proc.stderr.strip()[-300:] or f"exited {proc.returncode} without a result"
-            result = json.loads(lines[0]) if lines else {"variant": name, "error": error}
-        except subprocess.TimeoutExpired:
-            result = {"variant": name, "error": "timed out: time budget spent"}
+        result = (run_variant(name, passthrough, left) if left >= 30
+                  else {"variant": name, "error": "skipped: time budget spent"})
         results.append(result)
         print(f"  {name}: " + (f"{result['tokens_per_second']} tokens/s, MFU {result['mfu']}" if "error" not in result
                               else result["error"].splitlines()[-1]), flush=True)
+        if args.out:  # after each variant: a run cut short by an outer time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({"settings": vars(args), "results": results}, f, indent=2)
     width = max(map(len, names)) + 1
     memory = "peak_allocated_gib" if device.type == "cuda" else "peak_rss_gib"
-    print(f"\n{'variant':{width}s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {memory:>18s} {'warm-up s':>9s} "
-          f"{'loss':>6s}")
+    print(f"\n{'variant':{width}s} {'tokens/s':>9s} {'TFLOP/s':>8s} {'MFU':>6s} {'MFU/ex':>6s} {memory:>18s} "
+          f"{'warm-up s':>9s} {'loss':>6s}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:{width}s} {r['error'].splitlines()[-1][:80]}")
         else:
-            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+            mfu, per_example = (f"{r[key]:.1%}" if r[key] is not None else "-"
+                                for key in ("mfu", "mfu_attention_per_example"))
             print(f"{r['variant']:{width}s} {r['tokens_per_second']:9d} {r['tflops_per_second']:8.1f} {mfu:>6s} "
-                  f"{r[memory]:18.1f} {r['warmup_seconds']:9.1f} {r['last_step_loss']:6.2f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"settings": vars(args), "results": results}, f, indent=2)
+                  f"{per_example:>6s} {r[memory]:18.1f} {r['warmup_seconds']:9.1f} {r['last_step_loss']:6.2f}")
 
 
 if __name__ == "__main__":

@@ -37,8 +37,11 @@ def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpoin
         assert r["flops_per_token"] == flops
         # MFU against --peak_tflops 0.001, within the rounding of tokens/s (to 1) and of MFU (to 4 places).
         assert abs(r["mfu"] - flops * r["tokens_per_second"] / 1e9) <= flops * 0.5 / 1e9 + 5e-5
-        # Every example is longer than 128 tokens and truncated, so each packed row is full: 2 rows per step.
+        # Every example is longer than 128 tokens and truncated, so each packed row is full: 2 rows per step,
+        # each one example, which attends to the whole row either way.
         assert r["tokens_per_step"] == 2 * seq
+        assert r["mean_row_length"] == r["mean_example_length"] == seq
+        assert r["mfu_attention_per_example"] == r["mfu"]
         assert r["peak_rss_gib"] > 0
     # Recomputation gives the same numbers: the same loss after 3 steps, near a random model's log(vocab).
     checkpointed, plain = results
@@ -46,6 +49,17 @@ def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpoin
     assert abs(plain["last_step_loss"] - math.log(vocab)) < 0.5
     table = proc.stdout.split("tokens/s")[-1]
     assert variants[0] in table and variants[1] in table
+
+
+def test_attention_lengths_of_packed_rows():
+    """Rows of 8 slots: examples of 3 and 5 tokens; one of 4 tokens and 4 slots of padding. The rows average 8
+    slots; a real token's example has 3 tokens for 3 of the 12 tokens, 5 for 5 and 4 for 4."""
+    from fsdp_recipes.data import collate
+
+    rows = [{"input_ids": [9] * 8, "labels": [9] * 8, "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]},
+            {"input_ids": [9] * 4, "labels": [9] * 4, "position_ids": [0, 1, 2, 3]}]
+    batch = collate(rows, pad_token_id=0)
+    assert load_bench().attention_lengths([batch]) == (8.0, (3 * 3 + 5 * 5 + 4 * 4) / 12)
 
 
 def test_gpu_benchmark_shapes_are_llama_3_2_and_bad_variants_are_refused():
