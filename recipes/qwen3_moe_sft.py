@@ -73,6 +73,7 @@ def main():
         # Export: a folder that AutoModelForCausalLM.from_pretrained loads; then sample answers from it, if asked.
         save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
         print_rank0(f"saved {cfg.output_dir}/final")
+        del model  # rank 0's shards make room on its GPU for the whole exported model that generation loads
         log_sample_generations(cfg, os.path.join(cfg.output_dir, "final"), env.device, logger)
         logger.close()
 
