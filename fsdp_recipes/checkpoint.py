@@ -37,13 +37,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
 from .export import INDEX_NAME, replace_dir, tied_parameter_names, write_full_weights, write_model_files
 from .schedule import count_total_steps
-from .sharding import buffers_beside_parameters, state_dict_name
+from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 
 STATE_NAME = "trainer_state.json"
 LATEST_NAME = "latest"
@@ -357,6 +358,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def sharded_model_state_dict(model: nn.Module) -> dict:
+    """This rank's shards of the weights, for DCP. FSDP2's are the parameters' own local tensors. FSDP1 copies its
+    part of each parameter on the compute device (torch cannot offload before it chunks), so on a GPU each copy
+    goes to the CPU as it is made: otherwise a save would hold a second copy of the rank's shard on the GPU."""
+    fsdp1_on_accelerator = isinstance(model, FSDP) and compute_device(model).type != "cpu"
+    return get_model_state_dict(model, options=StateDictOptions(cpu_offload=fsdp1_on_accelerator))
+
+
 def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
                     wandb_run_id: Optional[str]) -> str:
     """Every rank calls this. Returns the path of the finished checkpoint."""
@@ -370,7 +379,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     dist.barrier()
 
     if fmt == "sharded":
-        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
+        dcp.save(sharded_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
     else:
         # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
         write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)

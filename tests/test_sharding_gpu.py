@@ -65,16 +65,24 @@ def test_the_export_gathers_into_cpu_memory(runs, name):
     assert runs[name]["rank0"]["gpu_tensors_in_export"] == 0
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_sharded_save_copies_nothing_onto_the_gpu(runs, name):
+    """FSDP1 copies its part of each parameter on the GPU for a sharded state dict; they must go to the CPU."""
+    assert runs[name]["rank0"]["gpu_bytes_copied_for_sharded_save"] == 0
+
+
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
     config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
     proc = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{name}",
                 "--num_processes", str(WORLD), "--main_process_port", "0", "recipes/llama_sft.py",
                 "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
-                "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64"])
+                "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64",
+                "--save_steps", "2"])
     printed = proc.stdout.split("sharding plan:\n")[1].split("training:")[0]
     assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config, WORLD)
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "checkpoint-2" / "model" / ".metadata").is_file()  # the YAML's SHARDED_STATE_DICT
 
 
 def test_a_cpu_config_runs_on_the_cpu_where_there_is_a_gpu(tiny, tmp_path):

@@ -14,10 +14,13 @@ import sys
 from collections import Counter
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from fsdp_recipes.checkpoint import sharded_model_state_dict
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets
 from fsdp_recipes.distributed import distributed, exit_process
@@ -31,6 +34,23 @@ from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, token_loss_sum
 
 def local_bytes(tensors) -> int:
     return sum(local_numel(t) * t.element_size() for t in tensors)
+
+
+def local_tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, DTensor):
+        return [value.to_local()]
+    if isinstance(value, ShardedTensor):
+        return [shard.tensor for shard in value.local_shards()]
+    return [value]
+
+
+def gpu_bytes_copied(model, state_dict: dict) -> int:
+    """Bytes of the GPU storages a state dict holds besides the parameters' own."""
+    own = {t.untyped_storage().data_ptr() for p in model.parameters() for t in local_tensors(p)}
+    copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for value in state_dict.values() for t in local_tensors(value)
+              if t.is_cuda and t.untyped_storage().data_ptr() not in own}
+    return sum(copies.values())
 
 
 def collectives(profile) -> dict:
@@ -110,7 +130,8 @@ with distributed() as env:
         # What the export gathers: with CPU offload too, the full weights must not stay on a GPU.
         gpu_tensors_in_export = sum(t.is_cuda for t in gather_full_state_dict(model).values())
         record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch),
-                  "gpu_tensors_in_export": gpu_tensors_in_export}
+                  "gpu_tensors_in_export": gpu_tensors_in_export,
+                  "gpu_bytes_copied_for_sharded_save": gpu_bytes_copied(model, sharded_model_state_dict(model))}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
 exit_process(0)
