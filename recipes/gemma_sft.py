@@ -18,6 +18,7 @@ Copying this recipe for another family: `make new-recipe MODEL=<model_type>` wri
 family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
 """
 
+import gc
 import os
 
 from transformers import set_seed
@@ -76,7 +77,10 @@ def main():
         # Export: a folder that AutoModelForCausalLM.from_pretrained loads; then sample answers from it, if asked.
         save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
         print_rank0(f"saved {cfg.output_dir}/final")
-        del model  # rank 0's shards make room on its GPU for the whole exported model that generation loads
+        # Rank 0's shards make room on its GPU for the whole exported model that generation loads. FSDP's modules
+        # and hooks refer to each other, so only the garbage collector frees them.
+        del model
+        gc.collect()
         log_sample_generations(cfg, os.path.join(cfg.output_dir, "final"), env.device, logger)
         logger.close()
 

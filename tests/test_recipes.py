@@ -2,6 +2,7 @@
 reloads with the trained weights; the model-specific traps are checked with numbers; the recipes share every line
 but their own; a model type without a recipe gets one from `make new-recipe` and runs through the generic path."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -81,6 +82,8 @@ def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data
     assert len(losses) == 8 and losses[-1] < 0.9 * losses[0], losses
 
     recorded = torch.load(out / "sharded.pt", weights_only=True)
+    # The training model is freed before sample generation loads the exported one onto rank 0's device.
+    assert json.loads((out / "at_generation.json").read_text()) == {"live_fsdp_modules": 0}
     inputs = recorded["inputs"]
     final = out / "run" / "final"
     # config.json does not record the attention implementation: reload with the recipe's (Gemma 2: eager).

@@ -4,15 +4,19 @@
 
 The recipe runs unchanged; only its save_hf_model is wrapped to first write <out_dir>/sharded.pt (rank 0): every
 parameter gathered with DTensor.full_tensor() (independent of the exporter's state-dict gather), this rank's
-local shape of each parameter, and the sharded model's logits on fixed inputs.
+local shape of each parameter, and the sharded model's logits on fixed inputs. Its log_sample_generations is
+wrapped to first write <out_dir>/at_generation.json (rank 0): how many FSDP modules are still alive then.
 """
 
+import gc
 import importlib.util
+import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 recipe_path, out_dir = sys.argv[1], sys.argv[2]
 sys.argv = [recipe_path, *sys.argv[3:]]
@@ -20,6 +24,7 @@ spec = importlib.util.spec_from_file_location("recipe", recipe_path)
 recipe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recipe)
 export = recipe.save_hf_model
+generate = recipe.log_sample_generations
 
 
 def record_then_export(model, tokenizer, path, dtype, *args):
@@ -36,5 +41,15 @@ def record_then_export(model, tokenizer, path, dtype, *args):
     export(model, tokenizer, path, dtype, *args)
 
 
+def record_then_generate(*args):
+    # gc.get_objects also lists objects in reference cycles that the collector has not freed yet.
+    live = sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "at_generation.json"), "w") as f:
+            json.dump({"live_fsdp_modules": live}, f)
+    generate(*args)
+
+
 recipe.save_hf_model = record_then_export
+recipe.log_sample_generations = record_then_generate
 recipe.run_main(recipe.main)
