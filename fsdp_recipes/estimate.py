@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
                           PretrainedConfig)
+from transformers import masking_utils
 from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
@@ -204,10 +205,13 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
                for h in (layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                          layer.register_forward_hook(leave))]
     try:
+        # Without a KV cache, as in training (a cache would copy k and v: Phi-3's v would no longer keep its fused
+        # qkv output alive). transformers then looks for packed sequences in the positions, values the meta device
+        # lacks: these rows are one sequence each.
         with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
+              mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
-            # use_cache: without a cache transformers looks for packed sequences, reading values meta lacks.
-            model(input_ids=input_ids, use_cache=True)
+            model(input_ids=input_ids, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig,
-                          Qwen3Config, Qwen3MoeConfig)
+                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError
@@ -119,6 +119,7 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 ARCHITECTURES = {
     "llama sdpa": (LlamaConfig(**SMALL), "sdpa"),
     "qwen3 sdpa": (Qwen3Config(**SMALL), "sdpa"),
+    "phi3 sdpa": (Phi3Config(**SMALL, pad_token_id=0), "sdpa"),  # fused qkv: v is a view that keeps q and k alive
     "gemma2 eager": (Gemma2Config(**SMALL), "eager"),
     "gemma3 sdpa": (Gemma3TextConfig(**SMALL, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
                     "sdpa"),
@@ -147,7 +148,7 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=torch.randint(0, config.vocab_size, (batch, seq_len)))
+        model(input_ids=torch.randint(0, config.vocab_size, (batch, seq_len)), use_cache=False)  # as in training
     return per_layer
 
 
