@@ -44,12 +44,13 @@ def model_config_overrides(cfg: TrainConfig) -> dict:
         if missing:
             raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "
                               "(they are not a mixture of experts): remove it")
-        # The model computes aux_loss only with output_router_logits: without it the coefficient would weigh nothing.
-        if overrides.get("router_aux_loss_coef") and not overrides.get("output_router_logits",
-                                                                       getattr(config, "output_router_logits", False)):
-            raise ConfigError("router_aux_loss_coef is set, but output_router_logits is false (in the recipe config, "
-                              "or in the model's config.json when the recipe leaves it unset), so the model computes "
-                              "no router loss: add --output_router_logits true, or remove router_aux_loss_coef")
+        # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
+        # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
+        if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
+                and not getattr(config, "output_router_logits", False)):
+            raise ConfigError("router_aux_loss_coef is set, but the model's config.json has output_router_logits "
+                              "false, so the model computes no router loss: add --output_router_logits true, or "
+                              "remove router_aux_loss_coef")
     return overrides
 
 
