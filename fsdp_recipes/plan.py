@@ -167,12 +167,16 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
         raise ConfigError(f"dp_replicate_size {replicate} needs fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1")
 
-    wrap = pick("fsdp_auto_wrap_policy", cfg.fsdp_auto_wrap_policy, env(os.environ.get, "FSDP_AUTO_WRAP_POLICY"),
-                "TRANSFORMER_BASED_WRAP")
+    env_wrap = env(os.environ.get, "FSDP_AUTO_WRAP_POLICY")
+    env_layers = env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP")
+    wrap = pick("fsdp_auto_wrap_policy", cfg.fsdp_auto_wrap_policy, env_wrap, "TRANSFORMER_BASED_WRAP")
     if wrap not in WRAP_POLICIES:
         raise ConfigError(f"fsdp_auto_wrap_policy must be one of {', '.join(WRAP_POLICIES)}, got {wrap}")
-    layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap,
-                  env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP"), None)
+    # accelerate exports the layer classes only when its config sets them (unlike fsdp_min_num_params).
+    if env_wrap == "SIZE_BASED_WRAP" and env_layers and cfg.fsdp_auto_wrap_policy is None:
+        raise ConfigError("the accelerate config sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy "
+                          "SIZE_BASED_WRAP, which does not read it: remove one of the two")
+    layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap, env_layers, None)
     min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
                           100_000_000)
     # Each policy reads one of the two keys: the other, set in the recipe config, would be ignored without a word.
@@ -209,7 +213,8 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         reshard_after_forward=reshard,
         dp_replicate_size=replicate,
         auto_wrap_policy=wrap,
-        layer_cls_names=[n.strip() for n in layers.split(",")] if layers else None,
+        layer_cls_names=([n.strip() for n in layers.split(",")] if layers and wrap == "TRANSFORMER_BASED_WRAP"
+                         else None),
         min_num_params=min_num_params,
         offload_params=offload,
         activation_checkpointing=pick("fsdp_activation_checkpointing", cfg.fsdp_activation_checkpointing,

@@ -91,6 +91,8 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({}, ["--fsdp_min_num_params", "1000"], "fsdp_min_num_params is a SIZE_BASED_WRAP setting"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP"],
      "fsdp_transformer_layer_cls_to_wrap is a TRANSFORMER_BASED_WRAP setting"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}, [],
+     "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], "mixed_precision must be one of bf16, no, pure_bf16"),
     ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
     ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
