@@ -81,17 +81,17 @@ def packed_steps(args, n_steps: int, vocab_size: int) -> list[list[dict]]:
     return [micro[s * args.accumulation:(s + 1) * args.accumulation] for s in range(n_steps)]
 
 
-def attention_lengths(micro_batches: list[dict]) -> tuple[float, float]:
-    """(mean row length; the mean over real tokens of the length of the packed example each belongs to, i.e. the
-    keys it would attend to if each example saw only itself). Examples start where position_ids restart at 0."""
-    lengths = []  # of the examples, real tokens only (collate's padding is a sequence of its own, all masked)
+def attention_lengths(micro_batches: list[dict]) -> tuple[float, list[int]]:
+    """(mean row length; the length of each packed example, real tokens only). Examples start where position_ids
+    restart at 0; collate's padding is a sequence of its own, all masked, so it counts as no example."""
+    lengths = []
     for mb in micro_batches:
         for positions, mask in zip(mb["position_ids"].tolist(), mb["attention_mask"].tolist()):
             starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
             lengths += [sum(mask[start:end]) for start, end in zip(starts, starts[1:])]
     slots = sum(mb["attention_mask"].numel() for mb in micro_batches)
     rows = sum(mb["attention_mask"].shape[0] for mb in micro_batches)
-    return slots / rows, sum(n * n for n in lengths) / sum(lengths)
+    return slots / rows, [n for n in lengths if n]
 
 
 def device_name(device: torch.device) -> str:
@@ -147,9 +147,13 @@ def worker(args) -> None:
         synchronize(env.device)
         seconds = time.perf_counter() - start
         tokens_per_second = sum(tokens for tokens, _ in timed) / seconds
-        row_length, example_length = attention_lengths([mb for step in steps[args.warmup_steps:] for mb in step])
+        row_length, examples = attention_lengths([mb for step in steps[args.warmup_steps:] for mb in step])
         flops = training_flops_per_token(model, round(row_length))
-        flops_per_example = training_flops_per_token(model, round(example_length))
+        # Each token attends within its example: the token-weighted mean of each example's FLOPs per token (so a
+        # sliding window applies example by example).
+        per_length = {n: training_flops_per_token(model, n) for n in set(examples)}
+        flops_per_example = sum(n * per_length[n] for n in examples) / sum(examples)
+        example_length = sum(n * n for n in examples) / sum(examples)  # the keys a token attends to, on average
         peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(env.device)
         print("RESULT " + json.dumps({
             "variant": args.worker, "device": device_name(env.device),

@@ -52,14 +52,13 @@ def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpoin
 
 
 def test_attention_lengths_of_packed_rows():
-    """Rows of 8 slots: examples of 3 and 5 tokens; one of 4 tokens and 4 slots of padding. The rows average 8
-    slots; a real token's example has 3 tokens for 3 of the 12 tokens, 5 for 5 and 4 for 4."""
+    """Rows of 8 slots: examples of 3 and 5 tokens; one of 4 tokens and 4 slots of padding."""
     from fsdp_recipes.data import collate
 
     rows = [{"input_ids": [9] * 8, "labels": [9] * 8, "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]},
             {"input_ids": [9] * 4, "labels": [9] * 4, "position_ids": [0, 1, 2, 3]}]
     batch = collate(rows, pad_token_id=0)
-    assert load_bench().attention_lengths([batch]) == (8.0, (3 * 3 + 5 * 5 + 4 * 4) / 12)
+    assert load_bench().attention_lengths([batch]) == (8.0, [3, 5, 4])
 
 
 def test_gpu_benchmark_shapes_are_llama_3_2_and_bad_variants_are_refused():
