@@ -3,6 +3,7 @@ reloads with the trained weights; the model-specific traps are checked with numb
 but their own; a model type without a recipe gets one from `make new-recipe` and runs through the generic path."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -236,6 +237,13 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
                "--dataset_name", "data.jsonl"]
     with pytest.raises(ConfigError, match=f"model_name_or_path {tmp_path}/none: no such folder"):
         check_model_type(parse_config(missing), {"gemma2": ("eager",)}, "gemma_sft.py")
+    # The recipes themselves, with their own MODEL_TYPES: each stops before loading anything.
+    for recipe, recipe_args, message in [
+            ("llama_sft.py", args, "llama_sft.py trains llama models, but .* is a gemma2 model"),
+            ("gemma_sft.py", [*args, "--attn_implementation", "sdpa"], "gemma2 models need attn_implementation eager"),
+            ("sft.py", generic, "gemma2 models need attn_implementation eager or flash_attention_2")]:
+        proc = run([sys.executable, f"recipes/{recipe}", *recipe_args], expect_rc=2)
+        assert re.search(f"^error: {message}", proc.stderr, re.MULTILINE), proc.stderr
 
 
 class Block(nn.Module):
