@@ -12,19 +12,21 @@ import pytest
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 
+PROFILED = {"profile_training": True}  # tests/drivers/sharding_run.py counts the trainer's reduce-scatters
 PARITY = {  # fp32: per-step losses must equal the unsharded reference within 1e-5 relative
-    "fsdp1_full_shard": {"fsdp_version": 1},
+    "fsdp1_full_shard": {"fsdp_version": 1, **PROFILED},
     "fsdp1_shard_grad_op": {"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP"},
     "fsdp1_no_shard": {"fsdp_version": 1, "fsdp_sharding_strategy": "NO_SHARD"},
     "fsdp1_hybrid_shard": {"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD"},  # 1 node: mesh 1 x 2
-    "fsdp2_reshard": {"fsdp_version": 2},
+    "fsdp2_reshard": {"fsdp_version": 2, **PROFILED},
     "fsdp2_no_reshard": {"fsdp_reshard_after_forward": "false"},
     "fsdp2_hsdp": {"dp_replicate_size": 2},  # mesh 2 x 1: replicate across the 2 ranks
-    "fsdp1_sync_last": {"fsdp_version": 1, "gradient_sync": "last_micro_batch"},
-    "fsdp2_sync_last": {"gradient_sync": "last_micro_batch"},
+    "fsdp1_sync_last": {"fsdp_version": 1, "gradient_sync": "last_micro_batch", **PROFILED},
+    "fsdp2_sync_last": {"gradient_sync": "last_micro_batch", **PROFILED},
     "fsdp1_shard_grad_op_sync_last": {"fsdp_version": 1, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
-                                      "gradient_sync": "last_micro_batch"},
-    "fsdp2_no_reshard_sync_last": {"fsdp_reshard_after_forward": "false", "gradient_sync": "last_micro_batch"},
+                                      "gradient_sync": "last_micro_batch", **PROFILED},
+    "fsdp2_no_reshard_sync_last": {"fsdp_reshard_after_forward": "false", "gradient_sync": "last_micro_batch",
+                                   **PROFILED},
     "fsdp1_ac": {"fsdp_version": 1, "fsdp_activation_checkpointing": "true"},
     "fsdp2_ac": {"fsdp_activation_checkpointing": "true"},
     "fsdp2_offload": {"fsdp_offload_params": "true"},
@@ -141,6 +143,14 @@ def test_no_shard_and_replicated_hsdp_hold_everything(runs):
                 [reference[k] for k in ("params", "grads", "optimizer_state")]
 
 
+def test_the_trainer_reduces_gradients_as_gradient_sync_says(runs):
+    """10 steps of 2 micro-batches, 3 units: each unit reduce-scatters its gradients in every micro-batch, or
+    only in the last one of a step with gradient_sync last_micro_batch."""
+    for name, per_step in [("fsdp2_reshard", 2), ("fsdp2_sync_last", 1), ("fsdp2_no_reshard_sync_last", 1),
+                           ("fsdp1_full_shard", 2), ("fsdp1_sync_last", 1), ("fsdp1_shard_grad_op_sync_last", 1)]:
+        assert [r["reduce_scatters_in_training"] for r in runs[name]["ranks"]] == [10 * 3 * per_step] * 2, name
+
+
 def test_all_gathers_and_reduce_scatters_per_micro_batch(runs):
     """What each engine all-gathers and reduce-scatters in one micro-batch of the 2-layer model: 3 units, the root
     (embeddings, final norm, lm_head) and one per layer. The root is never resharded after forward, as backward
@@ -180,6 +190,10 @@ def test_offload_keeps_state_on_cpu(runs):
     rank = runs["fsdp2_offload"]["ranks"][0]
     assert "offload: parameters, gradients and optimizer state on CPU" in rank["plan"]
     assert rank["param_devices"] == ["cpu"]
+    # The CPU is also where an unoffloaded run keeps them: each unit's policy is what shows the offload.
+    assert rank["offload_policies"] == ["CPUOffloadPolicy"] * 3  # 2 decoder layers and the root
+    assert runs["fsdp2_reshard"]["ranks"][0]["offload_policies"] == ["OffloadPolicy"] * 3
+    assert runs["fsdp1_full_shard"]["ranks"][0]["offload_policies"] == ["FSDP1 offload_params=False"] * 3
 
 
 @pytest.mark.parametrize("name", TIED)

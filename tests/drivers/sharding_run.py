@@ -5,9 +5,11 @@
 `variants` maps a name to extra recipe flags, e.g. {"fsdp1": {"fsdp_version": 1}}; a name starting with "unsharded"
 trains the plain model without FSDP (the single-process reference). For each variant it writes <out_dir>/<name>/
 metrics.jsonl (the trainer's), and <out_dir>/<name>/rank<r>.json: the plan's description and the bytes of
-parameters, gradients and optimizer state this rank holds after one extra optimizer step.
+parameters, gradients and optimizer state this rank holds after one extra optimizer step. The flag
+"profile_training": true (not a recipe flag) also counts the reduce-scatters the trainer runs.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -17,6 +19,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -110,12 +113,22 @@ def checkpoint_facts(model) -> dict:
             "tied": inner.lm_head.weight is inner.model.embed_tokens.weight if tied else None}
 
 
+def offload_policies(model) -> list[str]:
+    """The offload policy of each FSDP unit, as the engine holds it (on a CPU run the parameters' device cannot
+    tell an offloaded unit from another)."""
+    if isinstance(model, FSDP):
+        return [f"FSDP1 offload_params={unit.cpu_offload.offload_params}" for unit in FSDP.fsdp_modules(model)]
+    return [type(unit._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+            for unit in model.modules() if isinstance(unit, FSDPModule)]
+
+
 out_dir, variants, argv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
 with distributed() as env:
     base = parse_config(argv)
     tokenizer = load_tokenizer(base)
     dataset = build_datasets(base, tokenizer)[0]
     for name, flags in variants.items():
+        profile_training = flags.pop("profile_training", False)  # slow: the variants whose test reads it
         extra = [x for k, v in flags.items() for x in (f"--{k}", str(v))]
         cfg = parse_config(argv + extra + ["--output_dir", os.path.join(out_dir, name)])
         torch.manual_seed(cfg.seed)
@@ -125,11 +138,16 @@ with distributed() as env:
             plan = resolve_plan(cfg)
             model = load_sharded_model(cfg, plan, env.device)
             description = describe_plan(model, plan)
-        train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
+        # The trainer's own collectives (how it applies gradient_sync).
+        with torch.profiler.profile() if profile_training else contextlib.nullcontext() as training:
+            train(cfg, env, model, tokenizer, dataset, MetricsLogger(cfg, env.is_main))
         batch = next(iter(build_dataloader(dataset, cfg, tokenizer, env.rank, env.world_size, pin_memory=False)))
         # What the export gathers: with CPU offload too, the full weights must not stay on a GPU.
         gpu_tensors_in_export = sum(t.is_cuda for t in gather_full_state_dict(model).values())
         record = {"plan": description, **checkpoint_facts(model), **held_bytes(model, cfg, env, batch),
+                  "offload_policies": offload_policies(model),
+                  "reduce_scatters_in_training": sum(n for op, n in collectives(training).items()
+                                                     if "reduce_scatter" in op) if profile_training else None,
                   "gpu_tensors_in_export": gpu_tensors_in_export,
                   "gpu_bytes_copied_for_sharded_save": gpu_bytes_copied(model, sharded_model_state_dict(model))}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
