@@ -108,6 +108,12 @@ def test_fsdp1_rank0_load_on_one_process_equals_the_unsharded_process(runs):
     assert max_relative_deviation(losses, reference) <= PARITY_TOLERANCE
 
 
+@pytest.mark.parametrize("name", [*PARITY, *BF16, *TIED, "unsharded"])
+def test_clipping_scales_the_global_norm_to_max_grad_norm(runs, name):
+    for rank in runs[name]["ranks"]:  # clipped to a quarter of the norm measured before
+        assert abs(rank["clipped_grad_norm"] - rank["grad_norm"] / 4) <= 1e-5 * rank["grad_norm"]
+
+
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_stays_close_to_fp32(runs, name):
     deviation = max_relative_deviation(runs[name]["losses"], runs["unsharded"]["losses"])

@@ -82,6 +82,8 @@ def held_bytes(model, cfg, env, batch) -> dict:
     for hook in hooks:
         hook.remove()
     grad_norm = clip_grad_norm(model, 0)  # 0: measure only; the trainer's engine-aware global norm
+    clip_grad_norm(model, grad_norm.item() / 4)  # clipping scales every rank's shards to a quarter of the norm
+    clipped_grad_norm = clip_grad_norm(model, 0)
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
@@ -102,7 +104,8 @@ def held_bytes(model, cfg, env, batch) -> dict:
             "state_dtypes": sorted({str(t.dtype) for t in state}),
             "param_devices": sorted({p.device.type for p in params}),
             "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
-            "layer_forward_calls": len(calls), "grad_norm": grad_norm.item()}
+            "layer_forward_calls": len(calls), "grad_norm": grad_norm.item(),
+            "clipped_grad_norm": clipped_grad_norm.item()}
 
 
 def checkpoint_facts(model) -> dict:
