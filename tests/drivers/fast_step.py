@@ -5,7 +5,8 @@
 Three FSDP2 copies of the same fp32 model train the same 3 optimizer steps (accumulation 2, each rank its own
 micro-batches): the recipe's AdamW (fused), the same with torch.compile on each decoder layer, and a single-tensor
 (unfused, non-foreach) AdamW as the reference. Rank 0 writes their per-step losses and the largest deviation of the
-final weights and Adam moments from the reference to <out.json>.
+final weights and Adam moments from the reference to <out.json>, and how many decoder layers were compiled and
+how many graphs dynamo made.
 """
 
 import json
@@ -18,7 +19,7 @@ from fsdp_recipes.data import collate
 from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.model import load_model
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import shard_model
+from fsdp_recipes.sharding import describe_plan, shard_model
 from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, forward_backward, step_token_counts
 
 out_file, argv = sys.argv[1], sys.argv[2:]
@@ -37,7 +38,11 @@ with distributed() as env:
 
     def train(compile_layers: bool, reference_optimizer: bool):
         cfg.torch_compile = compile_layers
-        model = shard_model(load_model(cfg), resolve_plan(cfg), env.device)
+        plan = resolve_plan(cfg)
+        model = shard_model(load_model(cfg), plan, env.device)
+        printed = "  torch.compile: each decoder layer" in describe_plan(model, plan).splitlines()
+        compiled = sum(layer._compiled_call_impl is not None for layer in model.model.layers)
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         optimizer = build_optimizer(model, cfg)
         if reference_optimizer:
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
@@ -56,11 +61,13 @@ with distributed() as env:
             state[name] = param.full_tensor()
             for key in ("exp_avg", "exp_avg_sq"):
                 state[f"{name}.{key}"] = optimizer.state[param][key].full_tensor()
-        return losses, state, optimizer.param_groups[0]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+        return losses, state, optimizer.param_groups[0], {"compiled_layers": compiled, "graphs": graphs,
+                                                         "plan_says_compiled": printed}
 
-    ref_losses, ref_state, _ = train(compile_layers=False, reference_optimizer=True)
-    fused_losses, fused_state, group = train(compile_layers=False, reference_optimizer=False)
-    compiled_losses, compiled_state, _ = train(compile_layers=True, reference_optimizer=False)
+    ref_losses, ref_state, _, _ = train(compile_layers=False, reference_optimizer=True)
+    fused_losses, fused_state, group, eager = train(compile_layers=False, reference_optimizer=False)
+    compiled_losses, compiled_state, _, compiled = train(compile_layers=True, reference_optimizer=False)
 
     def deviation(state):
         return max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
@@ -70,5 +77,6 @@ with distributed() as env:
             json.dump({"reference_losses": ref_losses, "fused_losses": fused_losses,
                        "compiled_losses": compiled_losses, "fused": group["fused"],
                        "fused_state_deviation": deviation(fused_state),
-                       "compiled_state_deviation": deviation(compiled_state)}, f)
+                       "compiled_state_deviation": deviation(compiled_state), "eager": eager,
+                       "compiled": compiled}, f)
 exit_process(0)
