@@ -4,6 +4,7 @@ but their own; a model type without a recipe gets one from `make new-recipe` and
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, VaultGemmaConfig)
 
 from conftest import REPO, read_metrics, run, torchrun
+from test_readme import readme_commands
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX
@@ -284,6 +286,11 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
                               "--model_name_or_path", str(model_dir), "--dataset_name", str(data)])
     check_model_type(generated, {"biogpt": None}, str(recipe))
     assert "MODEL_TYPES = {\"biogpt\": None}" in split_recipe(recipe.read_text())[2]
+    # The README's own command, into the same folder.
+    [command] = [c for c in readme_commands() if c.startswith("make new-recipe ")]
+    run([*shlex.split(command), f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
+    assert "MODEL_TYPES = {\"olmo2\": None}" in (tmp_path / "recipes" / "olmo2_sft.py").read_text()
+    assert (tmp_path / "recipes" / "configs" / "olmo2_sft.yaml").is_file()
     result = train_and_check_export(REPO / "recipes" / "sft.py", "recipes/configs/sft.yaml", model_dir, data, tmp_path)
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
