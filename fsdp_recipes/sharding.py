@@ -287,6 +287,16 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     return "\n".join("  " + line for line in lines)
 
 
+def make_collectable(model: nn.Module) -> None:
+    """Let the garbage collector free a sharded model its caller is done with. FSDP1 keeps views of each flat
+    parameter from the last forward (torch drops them after a backward only, so not after an evaluation, nor ever
+    with NO_SHARD), and a view refers to its flat parameter from C++, out of the collector's sight."""
+    for unit in FSDP.fsdp_modules(model):
+        views = unit._handle.flat_param._tensors if unit._handle is not None else None
+        for i in range(len(views or ())):
+            views[i] = None
+
+
 def gradient_sync(model: nn.Module, enabled: bool):
     """Context for one micro-batch's forward and backward: with enabled=False gradients accumulate locally."""
     if enabled:

@@ -27,7 +27,7 @@ from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import configure_progress_bars
-from fsdp_recipes.sharding import describe_plan
+from fsdp_recipes.sharding import describe_plan, make_collectable
 from fsdp_recipes.trainer import train
 
 # ---- What this recipe holds of its own (the rest of the file is shared) ----
@@ -70,6 +70,7 @@ def main():
         print_rank0(f"saved {cfg.output_dir}/final")
         # Rank 0's shards make room on its GPU for the whole exported model that generation loads. FSDP's modules
         # and hooks refer to each other, so only the garbage collector frees them.
+        make_collectable(model)
         del model
         gc.collect()
         log_sample_generations(cfg, os.path.join(cfg.output_dir, "final"), env.device, logger)

@@ -86,7 +86,7 @@ def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data
 
     recorded = torch.load(out / "sharded.pt", weights_only=True)
     # The training model is freed before sample generation loads the exported one onto rank 0's device.
-    assert json.loads((out / "at_generation.json").read_text()) == {"live_fsdp_modules": 0}
+    assert json.loads((out / "at_generation.json").read_text()) == {"live_fsdp_objects": 0}
     inputs = recorded["inputs"]
     final = out / "run" / "final"
     # config.json does not record the attention implementation: reload with the recipe's (Gemma 2: eager).
@@ -308,13 +308,18 @@ def test_fsdp1_rank0_loading_keeps_the_checkpoints_buffers(data, tmp_path):
         layer.layer_scalar.fill_(value)
     model.save_pretrained(tmp_path / "model")
     TOKENIZER.save_pretrained(tmp_path / "model")
-    proc = torchrun("recipes/sft.py", "--model_name_or_path", tmp_path / "model", "--dataset_name", data,
-                    "--output_dir", tmp_path / "run", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                    "--max_seq_length", "64", "--mixed_precision", "no", "--save_dtype", "float32",
-                    "--fsdp_version", "1", "--fsdp_cpu_ram_efficient_loading", "true")
+    proc = torchrun("tests/drivers/recipe_check.py", "recipes/sft.py", tmp_path, "--model_name_or_path",
+                    tmp_path / "model", "--dataset_name", data, "--output_dir", tmp_path / "run", "--max_steps", "2",
+                    "--per_device_train_batch_size", "4", "--max_seq_length", "64", "--mixed_precision", "no",
+                    "--save_dtype", "float32", "--fsdp_version", "1", "--fsdp_cpu_ram_efficient_loading", "true",
+                    "--eval_fraction", "0.25")
     assert "wrapped: 2 x Gemma4TextDecoderLayer, then the root" in proc.stdout
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert [layer.layer_scalar.item() for layer in exported.model.layers] == [0.5, 1.5]  # not the initial 1.0
+    # The run's last forward was the final evaluation, whose views of the flat parameters FSDP1 keeps: the training
+    # model must still be freed before sample generation.
+    assert "eval/loss" in read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert json.loads((tmp_path / "at_generation.json").read_text()) == {"live_fsdp_objects": 0}
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])

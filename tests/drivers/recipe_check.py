@@ -4,8 +4,9 @@
 
 The recipe runs unchanged; only its save_hf_model is wrapped to first write <out_dir>/sharded.pt (rank 0): every
 parameter gathered with DTensor.full_tensor() (independent of the exporter's state-dict gather), this rank's
-local shape of each parameter, and the sharded model's logits on fixed inputs. Its log_sample_generations is
-wrapped to first write <out_dir>/at_generation.json (rank 0): how many FSDP modules are still alive then.
+local shape of each parameter, and the sharded model's logits on fixed inputs (FSDP2 only). Its
+log_sample_generations is wrapped to first write <out_dir>/at_generation.json (rank 0): how many FSDP2 modules and
+FSDP1 flat parameters are still alive then.
 """
 
 import gc
@@ -17,6 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._flat_param import FlatParameter
+from torch.distributed.tensor import DTensor
 
 recipe_path, out_dir = sys.argv[1], sys.argv[2]
 sys.argv = [recipe_path, *sys.argv[3:]]
@@ -28,6 +31,8 @@ generate = recipe.log_sample_generations
 
 
 def record_then_export(model, tokenizer, path, dtype, *args):
+    if not isinstance(next(model.parameters()), DTensor):  # FSDP1: only what generation finds alive is recorded
+        return export(model, tokenizer, path, dtype, *args)
     gathered = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
     local_shapes = {name: tuple(param.to_local().shape) for name, param in model.named_parameters()}
     inputs = torch.randint(5, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -43,10 +48,10 @@ def record_then_export(model, tokenizer, path, dtype, *args):
 
 def record_then_generate(*args):
     # gc.get_objects also lists objects in reference cycles that the collector has not freed yet.
-    live = sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+    live = sum(isinstance(o, (FSDPModule, FlatParameter)) for o in gc.get_objects())
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "at_generation.json"), "w") as f:
-            json.dump({"live_fsdp_modules": live}, f)
+            json.dump({"live_fsdp_objects": live}, f)
     generate(*args)
 
 
