@@ -358,12 +358,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def save_options(model: nn.Module) -> StateDictOptions:
+    """For the sharded state dicts a save writes with DCP. FSDP2's are the local tensors of the parameters and of
+    the optimizer state themselves. FSDP1 copies its part of each parameter and each Adam moment on the compute
+    device (torch cannot offload before it chunks), so on a GPU each copy goes to the CPU as it is made: otherwise
+    a save would hold another copy of the rank's shard of the weights and two of Adam's on the GPU, offload or not."""
+    return StateDictOptions(cpu_offload=isinstance(model, FSDP) and compute_device(model).type != "cpu")
+
+
 def sharded_model_state_dict(model: nn.Module) -> dict:
-    """This rank's shards of the weights, for DCP. FSDP2's are the parameters' own local tensors. FSDP1 copies its
-    part of each parameter on the compute device (torch cannot offload before it chunks), so on a GPU each copy
-    goes to the CPU as it is made: otherwise a save would hold a second copy of the rank's shard on the GPU."""
-    fsdp1_on_accelerator = isinstance(model, FSDP) and compute_device(model).type != "cpu"
-    return get_model_state_dict(model, options=StateDictOptions(cpu_offload=fsdp1_on_accelerator))
+    """This rank's shards of the weights, for DCP."""
+    return get_model_state_dict(model, options=save_options(model))
 
 
 def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
@@ -383,7 +388,8 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     else:
         # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
         write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)
-    dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=os.path.join(tmp, "optimizer"))
+    dcp.save(get_optimizer_state_dict(model, optimizer, options=save_options(model)),
+             checkpoint_id=os.path.join(tmp, "optimizer"))
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         write_model_files(model, tokenizer, tmp, torch.float32)

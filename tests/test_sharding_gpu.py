@@ -67,7 +67,8 @@ def test_the_export_gathers_into_cpu_memory(runs, name):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_sharded_save_copies_nothing_onto_the_gpu(runs, name):
-    """FSDP1 copies its part of each parameter on the GPU for a sharded state dict; they must go to the CPU."""
+    """FSDP1 copies its part of each parameter and each Adam moment on the GPU for a sharded state dict; the
+    copies must go to the CPU."""
     assert runs[name]["rank0"]["gpu_bytes_copied_for_sharded_save"] == 0
 
 

@@ -17,13 +17,13 @@ from collections import Counter
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from fsdp_recipes.checkpoint import sharded_model_state_dict
+from fsdp_recipes.checkpoint import save_options, sharded_model_state_dict
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets
 from fsdp_recipes.distributed import distributed, exit_process
@@ -47,12 +47,20 @@ def local_tensors(value) -> list[torch.Tensor]:
     return [value]
 
 
-def gpu_bytes_copied(model, state_dict: dict) -> int:
-    """Bytes of the GPU storages a state dict holds besides the parameters' own."""
-    own = {t.untyped_storage().data_ptr() for p in model.parameters() for t in local_tensors(p)}
+def tensors_in(state_dict: dict) -> list[torch.Tensor]:
+    """The local tensors of a (nested) state dict."""
+    return [t for value in state_dict.values()
+            for t in (tensors_in(value) if isinstance(value, dict) else local_tensors(value))
+            if isinstance(t, torch.Tensor)]
+
+
+def gpu_bytes_copied(own: list[torch.Tensor], state_dicts: list[dict]) -> int:
+    """Bytes of the GPU storages the state dicts hold besides those of the tensors they were made from (Adam's
+    scalar `step` counters aside: the optimizer state dict copies them, 4 bytes each)."""
+    own_storages = {t.untyped_storage().data_ptr() for tensor in own for t in local_tensors(tensor)}
     copies = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-              for value in state_dict.values() for t in local_tensors(value)
-              if t.is_cuda and t.untyped_storage().data_ptr() not in own}
+              for state_dict in state_dicts for t in tensors_in(state_dict)
+              if t.is_cuda and t.ndim > 0 and t.untyped_storage().data_ptr() not in own_storages}
     return sum(copies.values())
 
 
@@ -87,6 +95,9 @@ def held_bytes(model, cfg, env, batch) -> dict:
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
     state = [t for s in optimizer.state.values() for t in s.values() if t.ndim > 0]  # not `step`
+    # What a sharded save gives DCP: FSDP1 makes copies, which must not stay on a GPU.
+    saved = [sharded_model_state_dict(model), get_optimizer_state_dict(model, optimizer, options=save_options(model))]
+    copied = gpu_bytes_copied([*model.parameters(), *state], saved)
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     held = local_bytes(model.parameters())
 
@@ -105,7 +116,7 @@ def held_bytes(model, cfg, env, batch) -> dict:
             "param_devices": sorted({p.device.type for p in params}),
             "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
             "layer_forward_calls": len(calls), "grad_norm": grad_norm.item(),
-            "clipped_grad_norm": clipped_grad_norm.item()}
+            "clipped_grad_norm": clipped_grad_norm.item(), "gpu_bytes_copied_for_sharded_save": copied}
 
 
 def checkpoint_facts(model) -> dict:
@@ -151,8 +162,7 @@ with distributed() as env:
                   "offload_policies": offload_policies(model),
                   "reduce_scatters_in_training": sum(n for op, n in collectives(training).items()
                                                      if "reduce_scatter" in op) if profile_training else None,
-                  "gpu_tensors_in_export": gpu_tensors_in_export,
-                  "gpu_bytes_copied_for_sharded_save": gpu_bytes_copied(model, sharded_model_state_dict(model))}
+                  "gpu_tensors_in_export": gpu_tensors_in_export}
         with open(os.path.join(out_dir, name, f"rank{env.rank}.json"), "w") as f:
             json.dump(record, f)
 exit_process(0)
