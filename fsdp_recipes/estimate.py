@@ -162,6 +162,20 @@ AttentionInterface.register(MEASURED_FLASH_OR_FLEX, _flash_or_flex_attention)
 AttentionMaskInterface.register(MEASURED_FLASH_OR_FLEX, flash_attention_mask)
 
 
+def _static_rotary_embeddings(model: nn.Module) -> None:
+    """Rotary embeddings that rescale with the sequence length (longrope, as Phi-3.5's; dynamic) compare position
+    values, which the meta device lacks; the shapes of the activations do not depend on them."""
+    def static(kind: str) -> str:
+        return "default" if kind == "longrope" or "dynamic" in kind else kind
+
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        if isinstance(kind, str):
+            module.rope_type = static(kind)
+        elif isinstance(kind, dict):  # one per layer type (Gemma 3)
+            module.rope_type = {layer_type: static(k) for layer_type, k in kind.items()}
+
+
 def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: int, seq_len: int,
                         attn_implementation: str) -> SavedActivations:
     """Run the model's own forward on the meta device (shapes only: no memory, no compute) for one micro-batch,
@@ -174,6 +188,7 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
         model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
                                                  attn_implementation=attn_implementation)
         input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    _static_rotary_embeddings(model)
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
         raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")

@@ -120,6 +120,11 @@ ARCHITECTURES = {
     "llama sdpa": (LlamaConfig(**SMALL), "sdpa"),
     "qwen3 sdpa": (Qwen3Config(**SMALL), "sdpa"),
     "phi3 sdpa": (Phi3Config(**SMALL, pad_token_id=0), "sdpa"),  # fused qkv: v is a view that keeps q and k alive
+    # Phi-3.5's long-context rotary embedding, which reads position values in transformers 5.17.
+    "phi3 longrope sdpa": (Phi3Config(**SMALL, pad_token_id=0, max_position_embeddings=131072,
+                                      original_max_position_embeddings=4096,
+                                      rope_scaling={"type": "longrope", "long_factor": [1.5] * 8,
+                                                    "short_factor": [1.0] * 8}), "sdpa"),
     "gemma2 eager": (Gemma2Config(**SMALL), "eager"),
     "gemma3 sdpa": (Gemma3TextConfig(**SMALL, sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
                     "sdpa"),
