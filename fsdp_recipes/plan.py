@@ -172,10 +172,15 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     wrap = pick("fsdp_auto_wrap_policy", cfg.fsdp_auto_wrap_policy, env_wrap, "TRANSFORMER_BASED_WRAP")
     if wrap not in WRAP_POLICIES:
         raise ConfigError(f"fsdp_auto_wrap_policy must be one of {', '.join(WRAP_POLICIES)}, got {wrap}")
-    # accelerate exports the layer classes only when its config sets them (unlike fsdp_min_num_params).
-    if env_wrap == "SIZE_BASED_WRAP" and env_layers and cfg.fsdp_auto_wrap_policy is None:
+    checkpointing = pick("fsdp_activation_checkpointing", cfg.fsdp_activation_checkpointing,
+                         env(_env_bool, "FSDP_ACTIVATION_CHECKPOINTING"), False)
+    # The layer classes are what TRANSFORMER_BASED_WRAP wraps, and what activation checkpointing and torch_compile
+    # apply to. accelerate exports them only when its config sets them (unlike fsdp_min_num_params).
+    layers_read = wrap == "TRANSFORMER_BASED_WRAP" or checkpointing or cfg.torch_compile
+    if env_wrap == "SIZE_BASED_WRAP" and env_layers and cfg.fsdp_auto_wrap_policy is None and not layers_read:
         raise ConfigError("the accelerate config sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy "
-                          "SIZE_BASED_WRAP, which does not read it: remove one of the two")
+                          "SIZE_BASED_WRAP, which does not read it (nor does anything else in this run): remove one "
+                          "of the two")
     layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap, env_layers, None)
     min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
                           100_000_000)
@@ -184,9 +189,10 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if wrap == "TRANSFORMER_BASED_WRAP" and cfg.fsdp_min_num_params is not None:
         raise ConfigError("fsdp_min_num_params is a SIZE_BASED_WRAP setting: remove it, or set "
                           "fsdp_auto_wrap_policy SIZE_BASED_WRAP")
-    if wrap == "SIZE_BASED_WRAP" and cfg.fsdp_transformer_layer_cls_to_wrap is not None:
-        raise ConfigError("fsdp_transformer_layer_cls_to_wrap is a TRANSFORMER_BASED_WRAP setting: remove it, or "
-                          "set fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP")
+    if cfg.fsdp_transformer_layer_cls_to_wrap is not None and not layers_read:
+        raise ConfigError("fsdp_transformer_layer_cls_to_wrap is read by TRANSFORMER_BASED_WRAP, activation "
+                          "checkpointing and torch_compile, none of which this run uses: remove it, or set "
+                          "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP")
 
     precision = pick("mixed_precision", cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"), "bf16")
     if precision not in PRECISIONS:
@@ -213,12 +219,10 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         reshard_after_forward=reshard,
         dp_replicate_size=replicate,
         auto_wrap_policy=wrap,
-        layer_cls_names=([n.strip() for n in layers.split(",")] if layers and wrap == "TRANSFORMER_BASED_WRAP"
-                         else None),
+        layer_cls_names=[n.strip() for n in layers.split(",")] if layers and layers_read else None,
         min_num_params=min_num_params,
         offload_params=offload,
-        activation_checkpointing=pick("fsdp_activation_checkpointing", cfg.fsdp_activation_checkpointing,
-                                      env(_env_bool, "FSDP_ACTIVATION_CHECKPOINTING"), False),
+        activation_checkpointing=checkpointing,
         cpu_ram_efficient_loading=pick("fsdp_cpu_ram_efficient_loading", cfg.fsdp_cpu_ram_efficient_loading,
                                        env(_env_bool, "FSDP_CPU_RAM_EFFICIENT_LOADING"), False),
         mixed_precision=precision,

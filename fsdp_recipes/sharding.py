@@ -103,7 +103,10 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     check_master_dtype(model, plan)
-    layer_classes = find_layer_classes(model, plan.layer_cls_names)
+    # The decoder layers: units, or what checkpointing and compile apply to (size-based units need neither).
+    layer_classes = (find_layer_classes(model, plan.layer_cls_names)
+                     if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" or plan.activation_checkpointing
+                     or plan.torch_compile else ())
     plan.total_params = sum(p.numel() for p in model.parameters())
     if plan.activation_checkpointing:
         # Before sharding: FSDP2 then shards the wrapper (its hooks run outside the recomputed region), FSDP1 wraps

@@ -90,7 +90,8 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
     ({}, ["--fsdp_min_num_params", "1000"], "fsdp_min_num_params is a SIZE_BASED_WRAP setting"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP"],
-     "fsdp_transformer_layer_cls_to_wrap is a TRANSFORMER_BASED_WRAP setting"),
+     "fsdp_transformer_layer_cls_to_wrap is read by TRANSFORMER_BASED_WRAP, activation checkpointing and "
+     "torch_compile, none of which this run uses"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}, [],
      "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], "mixed_precision must be one of bf16, no, pure_bf16"),
@@ -120,6 +121,15 @@ def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message
         accelerate_env.setenv(key, value)
     with pytest.raises(ConfigError, match=message):
         plan_for(*args)
+
+
+def test_size_based_units_take_layer_classes_for_checkpointing_and_compile(accelerate_env):
+    accelerate_env.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
+    for args in (["--fsdp_activation_checkpointing", "true"], ["--torch_compile", "true"]):
+        assert plan_for("--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", *args).layer_cls_names == \
+            ["LlamaDecoderLayer"]
+    accelerate_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
+    assert plan_for("--fsdp_activation_checkpointing", "true").layer_cls_names == ["LlamaDecoderLayer"]
 
 
 def tiny_model(dtype=torch.float32, **config):
