@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import ShardingStrategy
 from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
@@ -360,10 +361,14 @@ def _set_rng_state(state: dict) -> None:
 
 def save_options(model: nn.Module) -> StateDictOptions:
     """For the sharded state dicts a save writes with DCP. FSDP2's are the local tensors of the parameters and of
-    the optimizer state themselves. FSDP1 copies its part of each parameter and each Adam moment on the compute
-    device (torch cannot offload before it chunks), so on a GPU each copy goes to the CPU as it is made: otherwise
-    a save would hold another copy of the rank's shard of the weights and two of Adam's on the GPU, offload or not."""
-    return StateDictOptions(cpu_offload=isinstance(model, FSDP) and compute_device(model).type != "cpu")
+    the optimizer state themselves. FSDP1, where it shards, copies its part of each parameter and each Adam moment
+    on the compute device (torch cannot offload before it chunks), so on a GPU each copy goes to the CPU as it is
+    made: otherwise a save would hold another copy of the rank's shard of the weights and two of Adam's on the GPU,
+    offload or not. Without sharding (NO_SHARD, or one GPU) torch gives the optimizer's own tensors and clones the
+    weights whole before any offload: copying them to the CPU would only cost host memory on every rank."""
+    fsdp1_shards = isinstance(model, FSDP) and any(unit.sharding_strategy != ShardingStrategy.NO_SHARD
+                                                   for unit in FSDP.fsdp_modules(model))
+    return StateDictOptions(cpu_offload=fsdp1_shards and compute_device(model).type != "cpu")
 
 
 def sharded_model_state_dict(model: nn.Module) -> dict:

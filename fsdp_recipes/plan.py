@@ -36,8 +36,9 @@ class ShardingPlan:
     torch_compile: bool = False  # the recipe config's torch_compile: compile each decoder layer
     gradient_sync: str = "every_micro_batch"  # the recipe config's gradient_sync
     overrides: list[str] = field(default_factory=list)  # recipe settings that replaced accelerate's, printed at start
-    # Filled by shard_model: what was wrapped, and on which mesh.
+    # Filled by shard_model: what was wrapped, which layer classes checkpointing and compile apply to, the mesh.
     wrapped: str = ""
+    layer_classes: str = ""
     mesh_shape: tuple = ()
     total_params: int = 0
 

@@ -107,6 +107,7 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     layer_classes = (find_layer_classes(model, plan.layer_cls_names)
                      if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" or plan.activation_checkpointing
                      or plan.torch_compile else ())
+    plan.layer_classes = ", ".join(c.__name__ for c in layer_classes)
     plan.total_params = sum(p.numel() for p in model.parameters())
     if plan.activation_checkpointing:
         # Before sharding: FSDP2 then shards the wrapper (its hooks run outside the recomputed region), FSDP1 wraps
@@ -274,18 +275,20 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         # FSDP1's no_sync accumulates the unsharded gradients in the compute dtype; FSDP2 in the reduction dtype.
         dtype = " in bf16" if plan.fsdp_version == 1 and plan.mixed_precision == "bf16" else ""
         sync = f"last micro-batch of each step, full gradients accumulate{dtype} in between"
+    # Size-based units do not name the layer classes that checkpointing and compile apply to: say which they are.
+    layers = "each decoder layer" if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else f"each {plan.layer_classes}"
     lines = [
         f"engine: {engine} over {world} ranks",
         f"wrapped: {plan.wrapped}, then the root",
         f"strategy: {strategy}",
         f"precision: {precision}",
         f"offload: {'parameters, gradients and optimizer state on CPU' if plan.offload_params else 'none'}",
-        f"activation checkpointing: {'each decoder layer' if plan.activation_checkpointing else 'off'}",
+        f"activation checkpointing: {layers if plan.activation_checkpointing else 'off'}",
         f"loading: {'rank 0 reads the weights, broadcast while sharding' if plan.cpu_ram_efficient_loading else 'every rank reads the weights'}",
         f"gradient sync: {sync}",
         f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
-    lines += ["torch.compile: each decoder layer"] if plan.torch_compile else []
+    lines += [f"torch.compile: {layers}"] if plan.torch_compile else []
     lines += [f"note: {o}" for o in plan.overrides]
     return "\n".join("  " + line for line in lines)
 

@@ -68,8 +68,11 @@ def test_the_export_gathers_into_cpu_memory(runs, name):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_sharded_save_copies_nothing_onto_the_gpu(runs, name):
     """FSDP1 copies its part of each parameter and each Adam moment on the GPU for a sharded state dict; the
-    copies must go to the CPU."""
-    assert runs[name]["rank0"]["gpu_bytes_copied_for_sharded_save"] == 0
+    copies must go to the CPU. On one GPU FSDP1 does not shard (NO_SHARD): torch then clones the weights whole on the
+    GPU, and no offload could avoid it; the optimizer state is its own."""
+    rank0 = runs[name]["rank0"]
+    fsdp1_unsharded_on_gpu = name == "fsdp1" and WORLD == 1
+    assert rank0["gpu_bytes_copied_for_sharded_save"] == (rank0["params"] if fsdp1_unsharded_on_gpu else 0)
 
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)

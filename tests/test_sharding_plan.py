@@ -7,7 +7,9 @@ import torch
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import check_master_dtype, check_tied_parameters_share_a_unit, find_layer_classes
+from fsdp_recipes.sharding import (check_master_dtype, check_tied_parameters_share_a_unit, describe_plan,
+                                   find_layer_classes, shard_model)
+from test_accelerate_configs import process_group_of
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
     "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_VERSION": "2",
@@ -130,6 +132,12 @@ def test_size_based_units_take_layer_classes_for_checkpointing_and_compile(accel
             ["LlamaDecoderLayer"]
     accelerate_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer")
     assert plan_for("--fsdp_activation_checkpointing", "true").layer_cls_names == ["LlamaDecoderLayer"]
+    # The printed plan names what is checkpointed, since the size-based units do not.
+    plan = plan_for("--fsdp_activation_checkpointing", "true", "--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP",
+                    "--fsdp_min_num_params", "1000")
+    with process_group_of(2):
+        printed = describe_plan(shard_model(tiny_model(), plan, torch.device("cpu")), plan)
+    assert "  activation checkpointing: each LlamaMLP" in printed.splitlines()
 
 
 def tiny_model(dtype=torch.float32, **config):
