@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU: NCCL, FSDP2 offload to pinned memory, FSDP1 CPUOffload, rank-0 loading on GPU, and
-# every single-node GPU accelerate config launched on the GPUs present (tests/test_sharding_gpu.py); CUDA peak memory
+# The checks that need a GPU: NCCL, FSDP2 offload to pinned memory, FSDP1 CPUOffload, rank-0 loading on GPU, sharded
+# saves that leave no copy on the GPU, and every single-node GPU accelerate config launched on the GPUs present, a
+# sharded checkpoint saved, and a CPU config kept off them (tests/test_sharding_gpu.py); CUDA peak memory
 # and MFU in the logged metrics (tests/test_metrics_gpu.py); then the plan tests with the CUDA build. Not run yet
 # (no GPU so far). Usage: bench/gpu_sharding_check.sh [python]
 set -euo pipefail
