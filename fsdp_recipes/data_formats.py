@@ -69,13 +69,19 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt, turn = render(messages[:i], True), render(messages[: i + 1], False)
-        if text.startswith(turn):
+        turn = render(messages[: i + 1], False)
+        if i:
+            prompt = render(messages[:i], True)
+        else:  # no conversation renders empty: an opening assistant turn starts where its content does
+            prompt = turn[: turn.find(message["content"].strip())] if message["content"].strip() in turn else None
+        if prompt is None or not text.startswith(prompt):
+            located = False
+        elif text.startswith(turn):
             end, located = len(turn), True
         else:  # the turn must still hold the whole assistant message
             end = _turn_end_before_closing(text, turn, tokenizer)
             located = end is not None and len(prompt) < end and message["content"].strip() in text[len(prompt):end]
-        if not (text.startswith(prompt) and located):
+        if not located:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
         spans.append((len(prompt), end))
@@ -121,9 +127,12 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
         spans = [(0, len(text))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = encoded["input_ids"]
+    # A token carries loss if it overlaps a span: byte-level BPE joins a prompt's trailing space to the answer's
+    # first word (' yes'), which must still be learnt. Zero-width tokens count where they start.
     labels = [
-        token if any(start <= char_start < end for start, end in spans) else IGNORE_INDEX
-        for token, (char_start, _) in zip(input_ids, encoded["offset_mapping"])
+        token if any(char_start < end and max(char_end, char_start + 1) > start for start, end in spans)
+        else IGNORE_INDEX
+        for token, (char_start, char_end) in zip(input_ids, encoded["offset_mapping"])
     ]
     return {"input_ids": input_ids[:max_seq_length], "labels": labels[:max_seq_length],
             "overlong": len(input_ids) > max_seq_length}

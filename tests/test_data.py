@@ -9,7 +9,7 @@ import datasets
 import pytest
 import torch
 import torch.distributed as dist
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from fsdp_recipes import demo
@@ -305,6 +305,38 @@ def test_a_template_that_rewrites_an_earlier_turn_is_refused():
             render_with_loss_spans(chat, "chat", tokenizer)
     text, spans = render_with_loss_spans({"messages": CHAT["messages"][:2]}, "chat", tokenizer)
     assert [text[s:e] for s, e in spans] == ["<think>\n\n</think>\n\nba<|im_end|>\n"]
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2's, Llama 3's and Qwen's kind of tokenizer: a word's token holds the space before it ('Ġyes')."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["Question: is the sky blue? Answer: yes it is. no it is not."] * 50, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role + ': ' + m.content + '</s>' }}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    return tokenizer
+
+
+def test_an_answer_after_the_prompts_trailing_space_carries_loss_on_its_first_word():
+    tokenizer = byte_level_tokenizer()
+    for prompt, completion in [("Question: is the sky blue? Answer: ", "yes"),
+                               ("Question: is the sky blue? Answer:", " yes")]:
+        out = tokenize_example({"prompt": prompt, "completion": completion}, "prompt_completion", tokenizer, 64)
+        assert loss_tokens(out, tokenizer) == ["Ġyes", "</s>"]
+    # Chat templates that end the generation prompt with a space ('assistant: ') give the same first token.
+    chat = {"messages": [{"role": "user", "content": "is it?"}, {"role": "assistant", "content": "yes it is"}]}
+    assert loss_tokens(tokenize_example(chat, "chat", tokenizer, 64), tokenizer) == ["Ġyes", "Ġit", "Ġis", "</s>"]
+
+
+def test_a_conversation_that_opens_with_the_assistant_carries_loss_on_that_turn():
+    chat = {"messages": [{"role": "assistant", "content": "hi"}] + CHAT["messages"][:2]}
+    out = tokenize_example(chat, "chat", TOKENIZER, 64)
+    assert TOKENIZER.decode(out["input_ids"]) == "<|assistant|>hi<|end|><|user|>ab<|end|><|assistant|>ba<|end|>"
+    assert loss_tokens(out) == ["h", "i", "<|end|>", "b", "a", "<|end|>"]
 
 
 def test_truncation_keeps_the_first_tokens():
