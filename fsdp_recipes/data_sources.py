@@ -135,10 +135,17 @@ def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruct
 
 
 def _load_from_disk(path: str) -> datasets.Dataset:
+    """A Dataset's `save_to_disk` folder, read into the datasets cache as its own arrow files. `load_from_disk` would
+    map the folder in place, and then every map and filter writes its cache files into the user's folder (and fails
+    on a read-only one)."""
+    with open(os.path.join(path, "state.json")) as f:
+        files = [os.path.join(path, entry["filename"]) for entry in json.load(f)["_data_files"]]
     try:
-        return datasets.load_from_disk(path)
-    except IndexError:  # datasets cannot read back a split saved with no rows
-        raise ConfigError(f"{path} holds no examples") from None
+        return datasets.load_dataset("arrow", data_files={"train": files}, split="train")
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, datasets.arrow_writer.SchemaInferenceError):  # files without a row
+            raise ConfigError(f"{path} holds no examples") from None
+        raise
 
 
 def parse_column_mapping(mapping: Optional[str]) -> dict[str, str]:

@@ -427,7 +427,8 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     table = datasets.Dataset.from_list(ROWS)
     table.to_csv(tmp_path / "d.csv", index=False)
     table.to_parquet(tmp_path / "d.parquet")
-    table.save_to_disk(tmp_path / "saved")
+    table.save_to_disk(tmp_path / "saved", num_shards=3)
+    saved_files = sorted(p.name for p in (tmp_path / "saved").iterdir())
     (tmp_path / "folder").mkdir()
     demo.write_jsonl(tmp_path / "folder" / "part.jsonl", ROWS)  # read by load_dataset(name), as a Hub id is
     expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
@@ -435,6 +436,8 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
         train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
         assert list(train["input_ids"]) == expected, name
         assert eval_set is None
+    # The datasets cache holds the tokenized copies: a saved folder may be read-only, and stays as it was.
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
 def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
