@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import math
@@ -113,8 +114,14 @@ def _load_file(name: str) -> datasets.Dataset:
         raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
     if os.path.getsize(name) == 0:
         raise ConfigError(f"{name} is empty: it holds no examples")
+    options = {}
+    if builder == "csv":  # every cell is text: pandas would read '7' as a number, 'None' and 'NA' as missing
+        with open(name, newline="") as f:
+            header = next(csv.reader(f), [])
+        options = {"features": datasets.Features({column: datasets.Value("string") for column in header}),
+                   "na_filter": False}
     try:
-        return datasets.load_dataset(builder, data_files={"train": name}, split="train")
+        return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
     except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
         if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
             raise ConfigError(f"{name} holds no examples") from None

@@ -17,6 +17,7 @@ from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
                                optimizer_step_batches, pack_examples)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example
+from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.trainer import token_loss_sum
 
 from conftest import REPO, read_metrics, torchrun
@@ -438,6 +439,13 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
         assert eval_set is None
     # The datasets cache holds the tokenized copies: a saved folder may be read-only, and stays as it was.
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
+
+
+def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
+    (tmp_path / "d.csv").write_text('prompt,completion\n"what is 7? ","007"\nsay none,None\nsay na,NA\n')
+    assert list(load_split(str(tmp_path / "d.csv"), None, "train")) == [
+        {"prompt": "what is 7? ", "completion": "007"}, {"prompt": "say none", "completion": "None"},
+        {"prompt": "say na", "completion": "NA"}]
 
 
 def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
