@@ -58,12 +58,12 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     `datasets` reads them. A file, and a folder saved from a single Dataset, hold one split: 'train'.
     """
     instruction = _parse_split(name, split)
-    local = os.path.exists(name)
-    if not local and (os.path.splitext(name)[1] in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
+    if not os.path.exists(name) and (os.path.splitext(name)[1] in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
         raise ConfigError(f"dataset_name {name}: no such file or folder")
-    if local and config_name:
-        raise ConfigError(f"dataset_config_name {config_name} is for a Hub data set; {name} is a local file or "
-                          "folder: remove dataset_config_name")
+    if config_name and (os.path.isfile(name) or _is_saved_folder(name)):
+        raise ConfigError(f"dataset_config_name {config_name} is for a Hub data set (or a local copy of one); {name} "
+                          f"is a {'file' if os.path.isfile(name) else 'save_to_disk folder'}: remove "
+                          "dataset_config_name")
     if os.path.isfile(name):
         dataset = _take_split(name, split, instruction, {"train": lambda: _load_file(name)},
                               "a single file holds one split")
@@ -73,11 +73,17 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
         try:
             dataset = datasets.load_dataset(name, config_name, split=split)
         except ValueError as error:
+            if "Config name is missing" in str(error):  # datasets' words list the configs that exist
+                configs = next((line for line in str(error).splitlines() if "available configs" in line), "")
+                raise ConfigError(f"{name} holds several configs: set dataset_config_name. {configs}") from None
             if "Unknown split" not in str(error):
                 raise
             raise ConfigError(f"{name}: {error}") from None  # datasets' words list the splits that exist
         except FileNotFoundError as error:  # datasets' DatasetNotFoundError among them
             raise ConfigError(f"dataset_name {name}: {error}") from None
+        except ConnectionError as error:  # not a local path, so taken for a Hub id; offline, or no network
+            raise ConfigError(f"dataset_name {name}: no such file or folder in {os.getcwd()}, and the Hub cannot be "
+                              f"reached to look for a data set of that name ({error})") from None
     if len(dataset) == 0:
         raise ConfigError(f"{name} (split {split}) holds no examples")
     return dataset
@@ -190,6 +196,11 @@ def load_sources(names: list[str], config_name: Optional[str], split: str, eval_
         train = load_split(name, config_name, split)
         held_out = load_split(name, config_name, eval_split) if eval_split else None
         sources.append((train, held_out))
+    for name, (train, _) in zip(names, sources):
+        for source, target in column_mapping.items():
+            if source in train.column_names and target in train.column_names and target not in column_mapping:
+                raise ConfigError(f"dataset_column_mapping renames '{source}' to '{target}', but {name} already has "
+                                  f"a column '{target}': rename that one too (e.g. {target}=old_{target})")
     found = sorted({c for train, _ in sources for c in train.column_names})
     for source in column_mapping:
         if source not in found:

@@ -6,6 +6,7 @@ import shutil
 import string
 
 import datasets
+import huggingface_hub
 import pytest
 import torch
 import torch.distributed as dist
@@ -448,6 +449,12 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
         {"prompt": "say na", "completion": "NA"}]
 
 
+def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
+    write_multi_config_copy(tmp_path / "copy")
+    train, _ = build_datasets(cfg(tmp_path / "copy", dataset_config_name="socratic"), TOKENIZER)
+    assert [TOKENIZER.decode(ids) for ids in train["input_ids"]] == [f"<|bos|>s{i}x<|end|>" for i in range(8)]
+
+
 def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
                           "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
@@ -528,6 +535,8 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
+    demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    write_multi_config_copy(tmp_path / "copy")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
@@ -549,19 +558,36 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_split="train[:x]"), r"cannot read the split 'train\[:x\]'"),
         (cfg(tmp_path / "data_folder", eval_split="test"),
          r"data_folder: Unknown split \"test\". Should be one of \['train'\]"),
-        (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set; "
-                                                              r".*ok.jsonl is a local file or folder"),
-        (cfg(tmp_path / "single", dataset_config_name="en"), r"single is a local file or folder"),
+        (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set "
+                                                              r"\(or a local copy of one\); .*ok.jsonl is a file"),
+        (cfg(tmp_path / "single", dataset_config_name="en"), r"single is a save_to_disk folder"),
         (cfg(tmp_path / "missing.jsonl"), r"dataset_name .*missing.jsonl: no such file or folder"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="x"), r"dataset_weights must be positive numbers .* got 'x'"),
         (cfg(f"{tmp_path}/ok.jsonl,{tmp_path}/ok.jsonl", dataset_weights="1,-0.5"), r"positive numbers .*'1,-0.5'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
+        (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
+         r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
+        (cfg(tmp_path / "copy"), r"copy holds several configs: set dataset_config_name\. .*\['main', 'socratic'\]"),
+        (cfg("data/chats"), r"dataset_name data/chats: no such file or folder in .*, and the Hub cannot be reached"),
     ]
 
 
-def test_bad_input_gets_a_clear_error(tmp_path):
+def write_multi_config_copy(folder) -> None:
+    """A local copy of a Hub data set with two configs, as `huggingface-cli download` leaves it."""
+    for config in ("main", "socratic"):
+        (folder / config).mkdir(parents=True)
+        demo.write_jsonl(folder / config / "train.jsonl", [{"prompt": f"{config[0]}{i}", "completion": "x"}
+                                                           for i in range(8)])
+    (folder / "README.md").write_text("---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n" for c in ("main", "socratic"))
+        + "---\n")
+
+
+def test_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
+    for module in (datasets.config, huggingface_hub.constants):  # as HF_HUB_OFFLINE=1 sets them at import
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
     for config, message in bad_input_cases(tmp_path):
         with pytest.raises(ConfigError, match=message):
             build_datasets(config, TOKENIZER)
