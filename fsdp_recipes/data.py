@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
@@ -150,6 +151,18 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     print_rank0(f"data: train {len(train)} {'sequences' if cfg.packing else 'examples'}"
                 + (f", eval {len(eval_set)} examples" if eval_set is not None else ", no eval split"))
     return train, eval_set
+
+
+def check_token_ids(num_embeddings: int, *splits: Optional[datasets.Dataset]) -> None:
+    """Refuse token ids beyond the model's embedding table (a tokenizer with tokens the model lacks): on a GPU they
+    stop the run with a device-side assert on whichever rank draws such a row, far from the cause."""
+    for dataset in filter(None, splits):
+        # Over the whole arrow table, rows held out by selections included: a few seconds for millions of rows.
+        largest = pc.max(pc.list_flatten(dataset.data.column("input_ids"))).as_py()
+        if largest >= num_embeddings:
+            raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
+                              f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), or save the "
+                              f"model with its embeddings resized to the tokenizer first (resize_token_embeddings)")
 
 
 def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:

@@ -650,6 +650,21 @@ def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
     assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
 
 
+def test_a_token_the_model_cannot_embed_stops_the_run_before_training(tiny, tmp_path):
+    tokenizer = demo.build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>"]})  # one id past the model's table
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    demo.write_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "completion": "<|tool|>"}] * 8)
+    proc = torchrun("recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--tokenizer_name_or_path",
+                    tmp_path / "tokenizer", "--dataset_name", tmp_path / "d.jsonl", "--output_dir", tmp_path / "out",
+                    "--mixed_precision", "no", nproc=1, expect_rc=1)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the data holds token id {len(tokenizer) - 1}, and the model's embedding table has "
+                      f"{len(tokenizer) - 1} rows: use the model's own tokenizer (tokenizer_name_or_path), or save "
+                      "the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"]
+    assert "training:" not in proc.stdout
+
+
 def test_readme_data_example_is_a_valid_config(tmp_path):
     text = (REPO / "README.md").read_text()
     [block] = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
