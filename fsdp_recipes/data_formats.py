@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jinja2
 
 from .config import ConfigError
@@ -105,6 +107,23 @@ def _turn_end_before_closing(text: str, turn: str, tokenizer):
     if not closing or shared == len(text_ids) or text_ids[-len(closing):] != closing:
         return None
     return encoded["offset_mapping"][shared][0]
+
+
+def turn_closing_token_id(tokenizer) -> Optional[int]:
+    """The special token that closes an assistant turn in the tokenizer's chat template, where it has one: a base
+    model's template may close turns with a token other than its EOS (Qwen's <|im_end|>, Llama 3's <|eot_id|>)."""
+    if tokenizer.chat_template is None:
+        return None
+    probe = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    try:
+        text, [(start, end)] = render_with_loss_spans(probe, "chat", tokenizer)
+    except (ConfigError, jinja2.TemplateError):
+        return None
+    after_answer = text.find("y", start, end) + 1  # the turn may open with template text (Qwen3's <think> block)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return next((token for token, (char_start, _) in zip(encoded["input_ids"], encoded["offset_mapping"])
+                 if after_answer <= char_start < end and token in special), None)
 
 
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,

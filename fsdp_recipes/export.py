@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
+from .data_formats import turn_closing_token_id
 from .sharding import compute_device, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -128,7 +129,14 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
     if code_class is not None:
         custom_object_save(code_class, out_dir)
     if model.generation_config is not None:
-        model.generation_config.save_pretrained(out_dir)
+        generation_config = copy.deepcopy(model.generation_config)
+        # Chat training ends each answer with the template's turn-closing token: generation must stop there too.
+        closing = turn_closing_token_id(tokenizer)
+        eos = generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if closing is not None and closing not in eos:
+            generation_config.eos_token_id = eos + [closing]
+        generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
 

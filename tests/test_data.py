@@ -17,7 +17,8 @@ from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
                                optimizer_step_batches, pack_examples)
-from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example
+from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
+                                      turn_closing_token_id)
 from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.trainer import token_loss_sum
 
@@ -679,3 +680,12 @@ def test_eval_settings_are_checked():
         cfg("d.jsonl", eval_fraction=1.5)
     with pytest.raises(ConfigError, match="set eval_split or eval_fraction, not both"):
         cfg("d.jsonl", eval_fraction=0.1, eval_split="test")
+
+
+@pytest.mark.parametrize("template, closing", [(LLAMA32_TEMPLATE, "<|eot_id|>"), (GEMMA2_TEMPLATE, "<end_of_turn>"),
+                                               (PHI35_TEMPLATE, "<|end|>"), (DEFAULT_CHAT_TEMPLATE, "<|endoftext|>")])
+def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
+    special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<end_of_turn>",
+               "<start_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|endoftext|>", "<bos>"]
+    tokenizer = char_tokenizer(template, "<bos>", "<|endoftext|>", special)
+    assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing

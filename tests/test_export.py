@@ -9,6 +9,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from fsdp_recipes import demo
+from fsdp_recipes.export import write_model_files
+
 from conftest import read_metrics, run, torchrun
 
 
@@ -93,3 +96,22 @@ def test_a_model_with_its_own_code_exports_the_code_too(tiny, tmp_path, fsdp_ver
         assert (folder / "configuration_foo.py").read_text() == REMOTE_CONFIG
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert type(model).__name__ == "FooForCausalLM"
+
+
+@pytest.mark.parametrize("eos, expected", [("<|endoftext|>", ["<|endoftext|>", "<|im_end|>"]),
+                                           ("<|im_end|>", "<|im_end|>")])
+def test_generation_stops_where_the_chat_template_closes_a_turn(tmp_path, eos, expected):
+    # A base model's tokenizer (Qwen2.5 base: EOS <|endoftext|>) whose ChatML template closes turns with <|im_end|>:
+    # chat training teaches <|im_end|> only, so generation must stop there; an instruct tokenizer's EOS already does.
+    tokenizer = demo.build_tokenizer()
+    tokenizer.add_special_tokens({"eos_token": eos,
+                                  "additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+                               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    write_model_files(model, tokenizer, str(tmp_path), torch.float32)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
+    assert saved == tokenizer.convert_tokens_to_ids(expected)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id  # the training model's is left alone
