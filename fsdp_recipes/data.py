@@ -77,8 +77,9 @@ def on_rank0_first(build: Callable[[], T]) -> T:
     """Rank 0 runs `build` (filling the datasets cache) while the others wait, then they run it from the cache.
 
     They wait on a gloo group of their own with a one-day timeout: tokenizing a large data set can take longer than
-    the default group's timeout, which is meant for training collectives. If rank 0 fails, every rank stops with
-    its error instead of waiting or crashing in a collective.
+    the default group's timeout, which is meant for training collectives. Every rank then waits there for the others
+    too: a node whose datasets cache is on its own disk tokenizes again. If rank 0 fails, every rank stops with its
+    error instead of waiting or crashing in a collective.
     """
     if dist.get_world_size() == 1:
         return build()
@@ -94,11 +95,13 @@ def on_rank0_first(build: Callable[[], T]) -> T:
                 dist.broadcast_object_list(failure, src=0, group=group)
                 raise
             dist.broadcast_object_list(failure, src=0, group=group)
-            return result
-        dist.broadcast_object_list(failure, src=0, group=group)
-        if failure[0] is not None:
-            raise ConfigError(failure[0])
-        return build()
+        else:
+            dist.broadcast_object_list(failure, src=0, group=group)
+            if failure[0] is not None:
+                raise ConfigError(failure[0])
+            result = build()
+        dist.barrier(group=group)
+        return result
     finally:
         dist.destroy_process_group(group)
 
