@@ -1,6 +1,7 @@
 """The recipe under every launcher: alone, `torchrun` on one node, and the README's SLURM command on 2 nodes x 1
 process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights."""
 
+import argparse
 import os
 import socket
 import stat
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_multi_gpu_env
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run, subprocess_env
@@ -31,6 +34,10 @@ for _ in 0 1; do wait -n || { kill $node0 $node1 2>/dev/null; exit 1; }; done
 """
 
 
+# A stand-in for the `accelerate` command: it records the arguments it is given, one a line, next to itself.
+ACCELERATE = '#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n'
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -47,6 +54,32 @@ def fake_slurm(bin_dir):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     return bin_dir
+
+
+def launch_node_args(tmp_path, node_rank: int, nnodes: int, gpus_per_node: int, port: int) -> argparse.Namespace:
+    """The arguments slurm/launch_node.sh gives `accelerate launch` on node `node_rank` of `nnodes` x
+    `gpus_per_node` (with MASTER_ADDR 127.0.0.1), as accelerate's own launcher code parses and completes them before
+    it starts torchrun."""
+    bin_dir = tmp_path / f"node{node_rank}_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "accelerate").write_text(ACCELERATE)
+    (bin_dir / "accelerate").chmod(stat.S_IRWXU)
+    run(["bash", "slurm/launch_node.sh", "recipes/llama_sft.py"], PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        NNODES=str(nnodes), NODE_RANK=str(node_rank), GPUS_PER_NODE=str(gpus_per_node), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port))
+    command, *argv = (bin_dir / "accelerate.args").read_text().splitlines()
+    assert command == "launch"
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    return args
+
+
+def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int) -> dict[str, str]:
+    """The environment each process of node 0 gets under slurm/launch_node.sh: what `accelerate launch` sets, and
+    the WORLD_SIZE and LOCAL_WORLD_SIZE torchrun adds."""
+    args = launch_node_args(tmp_path, 0, nnodes, gpus_per_node, free_port())
+    env = prepare_multi_gpu_env(args)
+    env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=args.nproc_per_node)
+    return env
 
 
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
