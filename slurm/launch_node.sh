@@ -13,12 +13,13 @@ set -euo pipefail
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/fsdp2_hsdp_multinode.yaml}
 
 # Node 0 hosts the rendezvous store; telling the others so keeps them from trying to host it when MASTER_ADDR
-# happens to be one of their own addresses (as on one test machine).
+# happens to be one of their own addresses (as on one test machine). They wait read_timeout seconds for it (torch's
+# default, 60 s, gave up after about 2.5 minutes); node 0 waits for them torch's join_timeout, 600 s.
 if [ "$NODE_RANK" = 0 ]; then is_host=true; else is_host=false; fi
 
 exec accelerate launch --config_file "$ACCELERATE_CONFIG" \
     --num_machines "$NNODES" --num_processes "$((NNODES * GPUS_PER_NODE))" --machine_rank "$NODE_RANK" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-    --rdzv_backend c10d --rdzv_conf "is_host=$is_host" \
+    --rdzv_backend c10d --rdzv_conf "is_host=$is_host,read_timeout=600" \
     --parallelism_config_dp_replicate_size "$NNODES" --parallelism_config_dp_shard_size "$GPUS_PER_NODE" \
     "$@"

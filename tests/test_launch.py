@@ -1,5 +1,6 @@
 """The recipe under every launcher: alone, `torchrun` on one node, and the README's SLURM command on 2 nodes x 1
-process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights."""
+process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights.
+And what slurm/launch_node.sh asks of accelerate, through accelerate's and torchrun's own code."""
 
 import argparse
 import os
@@ -7,11 +8,16 @@ import socket
 import stat
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
+import torch.distributed.run as torchrun
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-from accelerate.utils.launch import prepare_multi_gpu_env
+from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
 from safetensors.torch import load_file
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from conftest import REPO, read_metrics, run, subprocess_env
 from test_readme import readme_commands
@@ -80,6 +86,30 @@ def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int) -> dict[str, str]
     env = prepare_multi_gpu_env(args)
     env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=args.nproc_per_node)
     return env
+
+
+def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
+    """Node 0's launcher hosts the rendezvous store; another node's waits read_timeout seconds for it (torch's
+    default, 60 s, gave up after about 2.5 minutes), node 0's waits join_timeout for the others (torch's default,
+    600 s). launch_node.sh's read_timeout, as accelerate hands it to torchrun, reaches both nodes' store."""
+    port = free_port()
+    handlers = []  # kept open until both nodes have connected
+    for node_rank in (0, 1):
+        args = launch_node_args(tmp_path, node_rank, nnodes=2, gpus_per_node=1, port=port)
+        assert args.use_fsdp  # accelerate starts FSDP runs through its multi_gpu_launcher, which does what follows
+        prepare_multi_gpu_env(args)
+        launcher = torchrun.config_from_args(_filter_args(args, torchrun.get_args_parser(), [
+            "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
+        assert launcher.rdzv_configs["is_host"] == str(node_rank == 0).lower()
+        # What torchrun's agent then builds (its c10d handler): node 0 hosts the store on MASTER_PORT, node 1
+        # connects to it.
+        params = RendezvousParameters(launcher.rdzv_backend, launcher.rdzv_endpoint, launcher.run_id,
+                                      launcher.min_nodes, launcher.max_nodes, **launcher.rdzv_configs)
+        assert params.endpoint == f"127.0.0.1:{port}"
+        backend, store = create_backend(params)
+        handlers.append(create_handler(store, backend, params))
+        assert store.timeout == timedelta(seconds=600)
+        assert handlers[-1].settings.timeout.join == timedelta(seconds=600)
 
 
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
