@@ -55,8 +55,10 @@ class Setting:
         return f"{self.strategy} with {' and '.join(extras)}"
 
     def recipe_keys(self, num_nodes: int) -> str:
-        keys = {"FULL_SHARD": [], "SHARD_GRAD_OP": ["fsdp_reshard_after_forward: false"],
-                "HSDP": [f"dp_replicate_size: {num_nodes}"]}[self.strategy]
+        keys = ["fsdp_reshard_after_forward: false"] * (self.strategy == "SHARD_GRAD_OP")
+        # On several nodes the replica count is always given: slurm/launch_node.sh sets accelerate's to the node
+        # count (HSDP), and FULL_SHARD and SHARD_GRAD_OP, estimated over every GPU, need the recipe's 1 to override it.
+        keys += [f"dp_replicate_size: {num_nodes if self.strategy == 'HSDP' else 1}"] * (num_nodes > 1)
         keys += ["fsdp_activation_checkpointing: true"] * self.activation_checkpointing
         keys += ["fsdp_offload_params: true"] * self.offload
         return ", ".join(keys) or "the defaults"

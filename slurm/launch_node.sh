@@ -6,19 +6,20 @@
 #
 # With an accelerate config that has a parallelism_config (fsdp2_hsdp_multinode.yaml, the default) the run is HSDP:
 # replicated across the NNODES nodes, sharded over the GPUS_PER_NODE GPUs of each. With one that has none (e.g.
-# fsdp2.yaml) the model is sharded over every GPU of every node.
+# fsdp2.yaml), or with dp_replicate_size: 1 in the recipe config, the model is sharded over every GPU of every node.
 set -euo pipefail
 : "${NNODES:?the number of nodes}" "${NODE_RANK:?this node: 0 to NNODES-1}" "${GPUS_PER_NODE:?processes per node}"
 : "${MASTER_ADDR:?the address of node 0, reachable from every node}" "${MASTER_PORT:?a free port on node 0}"
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/fsdp2_hsdp_multinode.yaml}
 
 # Node 0 hosts the rendezvous store; telling the others so keeps them from trying to host it when MASTER_ADDR
-# happens to be one of their own addresses (as on one test machine).
+# happens to be one of their own addresses (as on one test machine). They wait read_timeout seconds for it (torch's
+# default, 60 s, gave up after about 2.5 minutes); node 0 waits for them torch's join_timeout, 600 s.
 if [ "$NODE_RANK" = 0 ]; then is_host=true; else is_host=false; fi
 
 exec accelerate launch --config_file "$ACCELERATE_CONFIG" \
     --num_machines "$NNODES" --num_processes "$((NNODES * GPUS_PER_NODE))" --machine_rank "$NODE_RANK" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-    --rdzv_backend c10d --rdzv_conf "is_host=$is_host" \
+    --rdzv_backend c10d --rdzv_conf "is_host=$is_host,read_timeout=600" \
     --parallelism_config_dp_replicate_size "$NNODES" --parallelism_config_dp_shard_size "$GPUS_PER_NODE" \
     "$@"

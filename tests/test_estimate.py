@@ -13,10 +13,13 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, 
                           Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from conftest import REPO, run, torchrun
-from fsdp_recipes.config import ConfigError
+from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.estimate import (Setting, build_meta_model, estimate, load_config, main, measure_activations,
                                    parse_args, recommend)
-from fsdp_recipes.sharding import MASTER_DTYPE
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
+from test_accelerate_configs import process_group_of
+from test_launch import launch_node_env
 
 # config.json of meta-llama/Llama-3.1-8B and -70B as published on the Hub.
 LLAMA_3_1 = {
@@ -203,10 +206,15 @@ def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
     assert per_token(mha, "sdpa", "no", 128) == per_token(mha, "sdpa", "no", 64)
 
 
-def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
+@pytest.fixture(scope="module")
+def llama_70b(configs):
+    """Llama 3.1 70B on the meta device, and what a micro-batch of 4 x 2048 tokens saves for backward."""
     config = load_config(str(configs["70b"]))
-    model = build_meta_model(config, torch.float32)
-    saved = measure_activations(config, "bf16", 4, 2048, "sdpa")
+    return build_meta_model(config, torch.float32), measure_activations(config, "bf16", 4, 2048, "sdpa")
+
+
+def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs, llama_70b):
+    model, saved = llama_70b
     args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "8"])
     # fp32 weights, gradients and two Adam states: 16 bytes per parameter, in the CPU RAM of the node's 8 GPUs.
     assert recommend(model, args, saved).startswith(
@@ -214,6 +222,40 @@ def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs):
     assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args, saved)
     args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "2", "--gpu_memory", "24"])
     assert recommend(model, args, saved).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
+
+
+def plan_under_launch_node(recipe_keys: str, tmp_path, monkeypatch):
+    """The plan, mesh included, that a recipe config holding `recipe_keys` (as the estimate prints them) gets on
+    2 nodes x 8 GPUs under slurm/launch_node.sh, which sets accelerate's dp_replicate_size to the node count."""
+    for key, value in launch_node_env(tmp_path, nnodes=2, gpus_per_node=8).items():
+        monkeypatch.setenv(key, value)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("\n".join(recipe_keys.split(", ")))
+    plan = resolve_plan(parse_config(["--config", str(recipe), "--model_name_or_path", "m", "--dataset_name", "d"]))
+    with process_group_of(16):
+        build_mesh(plan, torch.device("cpu"))
+    return plan
+
+
+def test_70b_on_2_nodes_gets_full_shard_over_all_16_gpus(configs, llama_70b, tmp_path, monkeypatch):
+    """HSDP 2 x 8 does not fit in 141 GiB; the FULL_SHARD proposed must not become it under the launcher."""
+    args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "16", "--num_nodes", "2", "--gpu_memory", "141"])
+    model, saved = llama_70b
+    proposal = recommend(model, args, saved)
+    assert proposal.startswith("recommended: FULL_SHARD with activation checkpointing: ")
+    [keys] = re.findall(r"\(recipe config: (.*)\)$", proposal)
+    assert keys == "dp_replicate_size: 1, fsdp_activation_checkpointing: true"
+    plan = plan_under_launch_node(keys, tmp_path, monkeypatch)
+    assert plan.mesh_shape == (16,) and plan.reshard_after_forward and plan.activation_checkpointing
+    assert "dp_replicate_size: recipe config 1 overrides accelerate config 2" in plan.overrides
+
+
+@pytest.mark.parametrize("strategy, mesh", [("FULL_SHARD", (16,)), ("SHARD_GRAD_OP", (16,)), ("HSDP", (2, 8))])
+def test_recipe_keys_on_2_nodes_shard_as_estimated_under_the_launcher(tmp_path, monkeypatch, strategy, mesh):
+    # The estimate shards HSDP over the 8 GPUs of a node, FULL_SHARD and SHARD_GRAD_OP over all 16.
+    plan = plan_under_launch_node(Setting(strategy, False, True).recipe_keys(2), tmp_path, monkeypatch)
+    assert plan.mesh_shape == mesh
+    assert plan.reshard_after_forward == (strategy != "SHARD_GRAD_OP") and plan.offload_params
 
 
 def test_bad_input_is_one_clear_line(tmp_path):

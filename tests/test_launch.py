@@ -1,14 +1,23 @@
 """The recipe under every launcher: alone, `torchrun` on one node, and the README's SLURM command on 2 nodes x 1
-process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights."""
+process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same steps: same losses and weights.
+And what slurm/launch_node.sh asks of accelerate, through accelerate's and torchrun's own code."""
 
+import argparse
 import os
 import socket
 import stat
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
+import torch.distributed.run as torchrun
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
 from safetensors.torch import load_file
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from conftest import REPO, read_metrics, run, subprocess_env
 from test_readme import readme_commands
@@ -31,6 +40,10 @@ for _ in 0 1; do wait -n || { kill $node0 $node1 2>/dev/null; exit 1; }; done
 """
 
 
+# A stand-in for the `accelerate` command: it records the arguments it is given, one a line, next to itself.
+ACCELERATE = '#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n'
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -47,6 +60,56 @@ def fake_slurm(bin_dir):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     return bin_dir
+
+
+def launch_node_args(tmp_path, node_rank: int, nnodes: int, gpus_per_node: int, port: int) -> argparse.Namespace:
+    """The arguments slurm/launch_node.sh gives `accelerate launch` on node `node_rank` of `nnodes` x
+    `gpus_per_node` (with MASTER_ADDR 127.0.0.1), as accelerate's own launcher code parses and completes them before
+    it starts torchrun."""
+    bin_dir = tmp_path / f"node{node_rank}_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "accelerate").write_text(ACCELERATE)
+    (bin_dir / "accelerate").chmod(stat.S_IRWXU)
+    run(["bash", "slurm/launch_node.sh", "recipes/llama_sft.py"], PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        NNODES=str(nnodes), NODE_RANK=str(node_rank), GPUS_PER_NODE=str(gpus_per_node), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port))
+    command, *argv = (bin_dir / "accelerate.args").read_text().splitlines()
+    assert command == "launch"
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    return args
+
+
+def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int) -> dict[str, str]:
+    """The environment each process of node 0 gets under slurm/launch_node.sh: what `accelerate launch` sets, and
+    the WORLD_SIZE and LOCAL_WORLD_SIZE torchrun adds."""
+    args = launch_node_args(tmp_path, 0, nnodes, gpus_per_node, free_port())
+    env = prepare_multi_gpu_env(args)
+    env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=args.nproc_per_node)
+    return env
+
+
+def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
+    """Node 0's launcher hosts the rendezvous store; another node's waits read_timeout seconds for it (torch's
+    default, 60 s, gave up after about 2.5 minutes), node 0's waits join_timeout for the others (torch's default,
+    600 s). launch_node.sh's read_timeout, as accelerate hands it to torchrun, reaches both nodes' store."""
+    port = free_port()
+    handlers = []  # kept open until both nodes have connected
+    for node_rank in (0, 1):
+        args = launch_node_args(tmp_path, node_rank, nnodes=2, gpus_per_node=1, port=port)
+        assert args.use_fsdp  # accelerate starts FSDP runs through its multi_gpu_launcher, which does what follows
+        prepare_multi_gpu_env(args)
+        launcher = torchrun.config_from_args(_filter_args(args, torchrun.get_args_parser(), [
+            "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
+        assert launcher.rdzv_configs["is_host"] == str(node_rank == 0).lower()
+        # What torchrun's agent then builds (its c10d handler): node 0 hosts the store on MASTER_PORT, node 1
+        # connects to it.
+        params = RendezvousParameters(launcher.rdzv_backend, launcher.rdzv_endpoint, launcher.run_id,
+                                      launcher.min_nodes, launcher.max_nodes, **launcher.rdzv_configs)
+        assert params.endpoint == f"127.0.0.1:{port}"
+        backend, store = create_backend(params)
+        handlers.append(create_handler(store, backend, params))
+        assert store.timeout == timedelta(seconds=600)
+        assert handlers[-1].settings.timeout.join == timedelta(seconds=600)
 
 
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
