@@ -142,7 +142,11 @@ class TrainConfig:
         metadata={"help": "Evaluate on the held-out split every N steps and at the end; 0: at the end only (when "
                           "there is a held-out split)."},
     )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per rank per eval batch."})
+    per_device_eval_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Sequences per rank per eval batch. Default: per_device_train_batch_size, a batch the "
+                          "run's memory already fits."},
+    )
     generation_prompts: Optional[list[str]] = field(
         default=None,
         metadata={"help": "Prompts that rank 0 answers greedily with the exported model at the end of the run."},
@@ -196,6 +200,8 @@ class TrainConfig:
         for name, value in required.items():
             if not value:
                 raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
         positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps",
                     "per_device_eval_batch_size", "generation_max_new_tokens"]
         for name in positive:

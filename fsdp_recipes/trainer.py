@@ -203,12 +203,12 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             interval["seconds"] += time.perf_counter() - start
         progress.advance()
 
+        if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
+            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
+                            logger.wandb_run_id)
         if evaluate_now:
             eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
             logger.log({"step": step, **eval_metrics})
             progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
                            f"perplexity {eval_metrics['eval/perplexity']:.3f}")
-        if save_now:
-            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
-                            logger.wandb_run_id)
     progress.close()

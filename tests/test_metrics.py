@@ -98,6 +98,23 @@ def test_eval_loss_equals_the_whole_split_in_one_process(observed):
         assert logged["eval/loss"] == mine["eval"]["eval/loss"]
         assert logged["eval/perplexity"] == pytest.approx(math.exp(logged["eval/loss"]), rel=1e-12)
     assert "eval at step 6: loss" in observed["resumed"].stdout
+    # The step's checkpoint is saved before its evaluation starts: an evaluation that fails loses no step.
+    assert [r["checkpoints"] for r in results[0]] == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
+
+
+def test_eval_batch_defaults_to_the_training_micro_batch():
+    # Evaluation then holds no more than a training micro-batch: qwen3_moe_sft.yaml trains 1 sequence of 4096
+    # tokens, whose fp32 logits over Qwen3's 151,936-token vocabulary take 2.3 GiB; the old default (8) held 8 times
+    # that.
+    def eval_batch_size(*args):
+        return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args]).per_device_eval_batch_size
+
+    assert eval_batch_size("--config", "recipes/configs/qwen3_moe_sft.yaml") == 1
+    assert eval_batch_size("--config", "recipes/configs/llama_sft.yaml") == 4
+    assert eval_batch_size("--per_device_train_batch_size", "3") == 3
+    assert eval_batch_size("--per_device_train_batch_size", "3", "--per_device_eval_batch_size", "8") == 8
+    with pytest.raises(ConfigError, match="per_device_eval_batch_size must be at least 1, got 0"):
+        eval_batch_size("--per_device_eval_batch_size", "0")
 
 
 def test_sample_generation_is_what_from_pretrained_generates(observed):
