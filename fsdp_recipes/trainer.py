@@ -125,9 +125,10 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    warmup_steps = cfg.num_warmup_steps(total_steps)
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(
-        cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
+        cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
     )
     if cfg.save_steps:
         resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
@@ -137,8 +138,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.
     device_peak_flops = peak_flops(env.device)
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
-    print_rank0(f"training: {total_steps} steps of {cfg.gradient_accumulation_steps} x "
-                f"{cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
+    print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
+                f"x {cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
     # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's

@@ -78,6 +78,14 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     assert resumed["config"]["max_steps"] == 6
 
 
+def test_logged_learning_rate_warms_up_for_the_yamls_fraction_of_the_run(observed):
+    # llama_sft.yaml's warmup_steps 0.03 of the first run's 4 steps: 1 step (rounded up), then the cosine decay.
+    train, _ = split_metrics(observed["out"] / "metrics.jsonl")
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(3)]
+    assert [m["learning_rate"] for m in train[:4]] == pytest.approx([0.0] + [1e-5 * c for c in cosine], rel=1e-12)
+    assert "training: 4 steps (1 of warm-up) of 4 x 4 sequences on each of 2 ranks" in observed["first"].stdout
+
+
 def test_logged_peak_memory_is_the_largest_of_all_ranks(observed):
     mine, other = ([r["memory"]["peak_rss_gib"] for r in observed["records"][rank] if "memory" in r] for rank in (0, 1))
     assert len(mine) == len(other) == 4  # one reduction per logged step, on every rank
