@@ -83,8 +83,9 @@ def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: 
             loss = mb_loss_sum * (world_size / label_tokens)
             aux_loss = getattr(outputs, "aux_loss", None)  # MoE models with output_router_logits
             if aux_loss is not None:
-                # A mean over the micro-batch's tokens: weighted as HF's Trainer does, coef x its mean over the
-                # step's micro-batches and (through FSDP's gradient average) ranks.
+                # coef x the router loss's mean over the step's micro-batches and (through FSDP's gradient average)
+                # ranks, as the model's own loss weighs it for one batch. HF's Trainer weighs it
+                # gradient_accumulation_steps x world size times more (each micro-batch's coef x aux_loss, whole).
                 loss = loss + model.config.router_aux_loss_coef * aux_loss / len(micro_batches)
                 aux_loss_sum = aux_loss.detach() if aux_loss_sum is None else aux_loss_sum + aux_loss.detach()
             loss.backward()
