@@ -39,20 +39,19 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
 
 
 def active_matmul_params(model: nn.Module) -> float:
-    """Parameters one token multiplies through: all but the embeddings (lookups: the input embedding, Gemma 3n's
-    and 4's per-layer input embeddings, learned positions) and the norms and biases (1-D, no matmul); of a
-    mixture-of-experts layer's experts only the share a token is routed to (num_experts_per_tok, or Gemma 4's
-    top_k_experts, of all of them)."""
-    config = model.config
+    """Parameters one token multiplies through: the lm_head, and the language model's but its embeddings (lookups:
+    the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions) and its norms and biases
+    (1-D, no matmul); of a mixture-of-experts layer's experts only the share a token is routed to
+    (num_experts_per_tok, or Gemma 4's top_k_experts, of all of them). A multimodal model's vision and audio towers
+    do not run on text."""
+    config = model.config.get_text_config()
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     routed = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)  # Gemma 4
-    lookups = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
-    output = model.get_output_embeddings()
-    total = 0.0
-    for name, param in model.named_parameters():  # a tied lm_head appears once, as the embedding
-        if param.ndim < 2:
-            continue
-        if id(param) in lookups and not (output is not None and output.weight is param):  # tied: lm_head's matmul
+    decoder = model.get_decoder()
+    lookups = {id(module.weight) for module in decoder.modules() if isinstance(module, nn.Embedding)}
+    total = float(model.get_output_embeddings().weight.numel())  # tied to the input embedding or not, a matmul
+    for name, param in decoder.named_parameters():
+        if param.ndim < 2 or id(param) in lookups:
             continue
         share = routed / experts if experts and routed and ".experts." in f".{name}." else 1.0
         total += param.numel() * share
@@ -103,8 +102,9 @@ def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Forward and backward FLOPs per token (PaLM, appendix B): 6 per active matmul parameter, plus attention's
     12 * heads * head_dim * (the keys attended to), summed over the layers, each with its own head_dim.
     Activation-checkpointing recomputation is not counted (MFU, not HFU)."""
+    config = model.config.get_text_config()  # a multimodal model's (Gemma 3 and 4): its language model's
     attention = 0
-    for layer, keys in zip(layer_configs(model.config), attended_lengths(model.config, seq_len)):
+    for layer, keys in zip(layer_configs(config), attended_lengths(config, seq_len)):
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
         attention += 12 * layer.num_attention_heads * head_dim * keys
     return 6 * active_matmul_params(model) + attention

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, LlamaConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
+                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
                           Qwen3NextConfig)
 
@@ -71,6 +72,12 @@ def test_gemma4_counts_each_layers_head_dim_and_no_per_layer_lookup_table():
     assert active_matmul_params(model) == expected
     assert attended_lengths(model.config, 64) == [8, 64]
     assert training_flops_per_token(model, 64) == 6 * expected + 12 * 4 * (16 * 8 + 32 * 64)
+    # The hub's Gemma 4 checkpoints are multimodal: the same language model, and vision and audio towers (472M
+    # parameters at their default sizes) that do not run on text.
+    multimodal = build_meta_model(Gemma4Config(text_config=dims, vision_config=Gemma4VisionConfig(),
+                                               audio_config=Gemma4AudioConfig()))
+    assert active_matmul_params(multimodal) == expected
+    assert training_flops_per_token(multimodal, 64) == training_flops_per_token(model, 64)
 
     # Gemma 4's mixture of experts routes each token to top_k_experts of num_experts (and keeps the dense MLP).
     moe = build_meta_model(Gemma4TextConfig(**dims, enable_moe_block=True, num_experts=16, top_k_experts=2,
@@ -102,18 +109,19 @@ def test_peak_flops_by_the_name_torch_gives():
 
 
 def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
-    """The MFU path of a GPU with a known peak, on the CPU: one process trains a tiny Gemma 4 whose full-attention
-    layer has a head_dim of its own, and the logged mfu is the step's tokens/s x the FLOPs per token at its row
-    length over the peak."""
+    """The MFU path of a GPU with a known peak, on the CPU: one process trains a tiny Gemma 4, multimodal as the
+    hub's checkpoints are (without their towers), whose full-attention layer has a head_dim of its own; the logged
+    mfu is the step's tokens/s x the FLOPs per token at its row length over the peak."""
     tokenizer = demo.build_tokenizer()
-    config = Gemma4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                              sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                              hidden_size_per_layer_input=8, vocab_size_per_layer_input=len(tokenizer),
-                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                              eos_token_id=tokenizer.eos_token_id)
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=len(tokenizer), **special)
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None, **special)
     torch.manual_seed(0)
-    Gemma4ForCausalLM(config).save_pretrained(tmp_path / "model")
+    Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     demo.write_jsonl(tmp_path / "train.jsonl", demo.make_split(seed=1, n_train=16, n_eval=0)[0])
     peak = 1e12
