@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -80,7 +81,11 @@ class TrainConfig:
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup", "inverse_sqrt"] = field(
         default="cosine", metadata={"help": "transformers' scheduler of that name, after warmup_steps."}
     )
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warm-up steps."})
+    warmup_steps: float = field(
+        default=0,
+        metadata={"help": "Linear warm-up: a number of steps, or a fraction below 1 of the run's steps (rounded up), "
+                          "as in transformers' TrainingArguments. It must end before the run does."},
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and norms)."})
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -142,7 +147,11 @@ class TrainConfig:
         metadata={"help": "Evaluate on the held-out split every N steps and at the end; 0: at the end only (when "
                           "there is a held-out split)."},
     )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per rank per eval batch."})
+    per_device_eval_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Sequences per rank per eval batch. Default: per_device_train_batch_size, a batch the "
+                          "run's memory already fits."},
+    )
     generation_prompts: Optional[list[str]] = field(
         default=None,
         metadata={"help": "Prompts that rank 0 answers greedily with the exported model at the end of the run."},
@@ -196,6 +205,8 @@ class TrainConfig:
         for name, value in required.items():
             if not value:
                 raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
         positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps",
                     "per_device_eval_batch_size", "generation_max_new_tokens"]
         for name in positive:
@@ -223,8 +234,24 @@ class TrainConfig:
             raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
+        if not (0 <= self.warmup_steps < 1 or float(self.warmup_steps).is_integer() and self.warmup_steps > 0):
+            raise ConfigError(f"warmup_steps must be a whole number of steps, or a fraction in [0, 1) of the run's "
+                              f"steps, got {self.warmup_steps}")
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
             raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
+
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """warmup_steps in steps of a run of total_steps. A warm-up as long as the run is refused: the learning rate
+        would never reach learning_rate, nor decay."""
+        steps = int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(self.warmup_steps * total_steps)
+        if steps >= total_steps:
+            rounded = "" if self.warmup_steps >= 1 else f" (of {total_steps} steps, rounded up: {steps})"
+            raise ConfigError(
+                f"warmup_steps {self.warmup_steps:g}{rounded} covers the whole run of {total_steps} steps: the "
+                f"learning rate would never reach learning_rate {self.learning_rate:g}, nor decay. Lower "
+                f"warmup_steps (steps below {total_steps}, or a fraction of the run such as 0.03) or train longer "
+                f"(max_steps, num_train_epochs)")
+        return steps
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

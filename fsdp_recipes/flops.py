@@ -39,41 +39,72 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
 
 
 def active_matmul_params(model: nn.Module) -> float:
-    """Parameters one token multiplies through: all but the input embedding (a lookup) and the norms and biases
-    (1-D, no matmul); of a mixture-of-experts layer's experts only the num_experts_per_tok it is routed to."""
-    config = model.config
+    """Parameters one token multiplies through: the lm_head, and the language model's but its embeddings (lookups:
+    the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions) and its norms and biases
+    (1-D, no matmul); of a mixture-of-experts layer's experts only the share a token is routed to
+    (num_experts_per_tok, or Gemma 4's top_k_experts, of all of them). A multimodal model's vision and audio towers
+    do not run on text."""
+    config = model.config.get_text_config()
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    routed = getattr(config, "num_experts_per_tok", None)
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    total = 0.0
-    for name, param in model.named_parameters():  # a tied lm_head appears once, as the embedding
-        if param.ndim < 2:
-            continue
-        if param is embedding:
-            if output is not None and output.weight is embedding:  # tied: still a matmul, as lm_head
-                total += param.numel()
+    routed = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)  # Gemma 4
+    decoder = model.get_decoder()
+    lookups = {id(module.weight) for module in decoder.modules() if isinstance(module, nn.Embedding)}
+    total = float(model.get_output_embeddings().weight.numel())  # tied to the input embedding or not, a matmul
+    for name, param in decoder.named_parameters():
+        if param.ndim < 2 or id(param) in lookups:
             continue
         share = routed / experts if experts and routed and ".experts." in f".{name}." else 1.0
         total += param.numel() * share
     return total
 
 
+# Layer types (config.layer_types) without softmax attention: recurrent and convolutional mixers (Qwen3-Next's
+# gated delta net, Mamba, LFM2's conv; transformers files them all as linear_attention) and Nemotron-H's MLP-only
+# and MoE-only layers. Their matmuls are in the parameters; they add no attention term.
+NO_SOFTMAX_ATTENTION = ("linear_attention", "mamba", "conv", "mlp", "moe")
+
+
+def layer_configs(config) -> list:
+    """Each decoder layer's config: Gemma 4's full-attention layers, for one, have a head_dim of their own (its
+    global_head_dim), which transformers keeps in config.per_layer_config and refuses to read as config.head_dim."""
+    per_layer = getattr(config, "per_layer_config", None)  # absent in transformers without per-layer attributes
+    return list(per_layer) if per_layer is not None else [config] * config.num_hidden_layers
+
+
 def attended_lengths(config, seq_len: int) -> list[int]:
-    """The keys a query attends to in each decoder layer: seq_len, or the sliding window in a layer that has one
-    (every layer of Mistral v0.1 and Phi-3 mini; 5 of every 6 of Gemma 3's, per config.layer_types)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return [seq_len] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    return [min(seq_len, window) if kind == "sliding_attention" else seq_len for kind in types]
+    """The keys a query attends to through softmax attention in each decoder layer: seq_len; the sliding window in
+    a layer that has one (every layer of Mistral v0.1 and Phi-3 mini; 5 of every 6 of Gemma 3's, per
+    config.layer_types); the chunk in Llama 4's chunked layers; none in a layer without softmax attention
+    (NO_SOFTMAX_ATTENTION). Another attention type (a sparse one) counts the whole row, an upper bound."""
+    lengths = []
+    for kind, layer in zip(layer_types(config), layer_configs(config)):
+        if kind in NO_SOFTMAX_ATTENTION:
+            lengths.append(0)
+        elif kind == "sliding_attention":  # no window set (Qwen2 without use_sliding_window): the whole row
+            lengths.append(min(seq_len, getattr(layer, "sliding_window", None) or seq_len))
+        elif kind == "chunked_attention":
+            lengths.append(min(seq_len, getattr(layer, "attention_chunk_size", None) or seq_len))
+        else:
+            lengths.append(seq_len)
+    return lengths
+
+
+def layer_types(config) -> list[str]:
+    """config.layer_types, or for a config without them: every layer sliding where the config has a window in use
+    (Mistral v0.1, Phi-3 mini; Qwen2's only with use_sliding_window), else every layer full attention."""
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Forward and backward FLOPs per token (PaLM, appendix B): 6 per active matmul parameter, plus attention's
-    12 * heads * head_dim * (the keys attended to), summed over the layers. Activation-checkpointing recomputation
-    is not counted (MFU, not HFU)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention = 12 * config.num_attention_heads * head_dim * sum(attended_lengths(config, seq_len))
+    12 * heads * head_dim * (the keys attended to), summed over the layers, each with its own head_dim.
+    Activation-checkpointing recomputation is not counted (MFU, not HFU)."""
+    config = model.config.get_text_config()  # a multimodal model's (Gemma 3 and 4): its language model's
+    attention = 0
+    for layer, keys in zip(layer_configs(config), attended_lengths(config, seq_len)):
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+        attention += 12 * layer.num_attention_heads * head_dim * keys
     return 6 * active_matmul_params(model) + attention

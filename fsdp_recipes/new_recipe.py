@@ -47,7 +47,7 @@ per_device_train_batch_size: 4
 gradient_accumulation_steps: 4
 learning_rate: 1.0e-5
 lr_scheduler_type: cosine
-warmup_steps: 50
+warmup_steps: 0.03  # 3% of the run's steps (a whole number counts steps)
 weight_decay: 0.0
 max_grad_norm: 1.0
 logging_steps: 10

@@ -83,8 +83,9 @@ def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: 
             loss = mb_loss_sum * (world_size / label_tokens)
             aux_loss = getattr(outputs, "aux_loss", None)  # MoE models with output_router_logits
             if aux_loss is not None:
-                # A mean over the micro-batch's tokens: weighted as HF's Trainer does, coef x its mean over the
-                # step's micro-batches and (through FSDP's gradient average) ranks.
+                # coef x the router loss's mean over the step's micro-batches and (through FSDP's gradient average)
+                # ranks, as the model's own loss weighs it for one batch. HF's Trainer weighs it
+                # gradient_accumulation_steps x world size times more (each micro-batch's coef x aux_loss, whole).
                 loss = loss + model.config.router_aux_loss_coef * aux_loss / len(micro_batches)
                 aux_loss_sum = aux_loss.detach() if aux_loss_sum is None else aux_loss_sum + aux_loss.detach()
             loss.backward()
@@ -126,9 +127,10 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)
     steps_per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    warmup_steps = cfg.num_warmup_steps(total_steps)
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler(
-        cfg.lr_scheduler_type, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps
+        cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
     )
     if cfg.save_steps:
         resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
@@ -138,8 +140,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.
     device_peak_flops = peak_flops(env.device)
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
-    print_rank0(f"training: {total_steps} steps of {cfg.gradient_accumulation_steps} x "
-                f"{cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
+    print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
+                f"x {cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
     # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's
@@ -204,12 +206,12 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             interval["seconds"] += time.perf_counter() - start
         progress.advance()
 
+        if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
+            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
+                            logger.wandb_run_id)
         if evaluate_now:
             eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
             logger.log({"step": step, **eval_metrics})
             progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
                            f"perplexity {eval_metrics['eval/perplexity']:.3f}")
-        if save_now:
-            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
-                            logger.wandb_run_id)
     progress.close()

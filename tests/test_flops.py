@@ -1,10 +1,17 @@
 """FLOPs per token, counted from the model's parameters, against the formula written out by hand."""
 
-import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MixtralConfig, MixtralForCausalLM, Qwen2Config)
+import sys
 
-from fsdp_recipes.flops import (active_matmul_params, attended_lengths, peak_flops, peak_flops_of,
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
+                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen3NextConfig)
+
+from conftest import REPO, read_metrics, run
+from fsdp_recipes import demo
+from fsdp_recipes.flops import (active_matmul_params, attended_lengths, build_meta_model, peak_flops, peak_flops_of,
                                 training_flops_per_token)
 
 DIMS = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -48,6 +55,48 @@ def test_moe_counts_only_the_routed_experts():
     assert active_matmul_params(model) == dense + router + experts * 2 / 8
 
 
+def test_gemma4_counts_each_layers_head_dim_and_no_per_layer_lookup_table():
+    # A sliding layer (head_dim 16), then a full one (global_head_dim 32, which transformers keeps per layer and
+    # refuses to read as config.head_dim); 4 query and 2 KV heads, a window of 8, tied embeddings.
+    dims = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=500)
+    model = build_meta_model(Gemma4TextConfig(**dims))
+    attention = sum(64 * (4 + 2 + 2) * head_dim + 4 * head_dim * 64 for head_dim in (16, 32))  # q, k, v; o
+    mlp = 2 * 3 * 64 * 128
+    # Per-layer inputs: the model's projection to 2 layers x 8, each layer's gate and projection. Their table,
+    # embed_tokens_per_layer (500 x 2 x 8), is a lookup like the input embedding.
+    per_layer_inputs = 64 * 2 * 8 + 2 * (64 * 8 + 8 * 64)
+    expected = attention + mlp + per_layer_inputs + 1000 * 64  # the tied lm_head
+    assert active_matmul_params(model) == expected
+    assert attended_lengths(model.config, 64) == [8, 64]
+    assert training_flops_per_token(model, 64) == 6 * expected + 12 * 4 * (16 * 8 + 32 * 64)
+    # The hub's Gemma 4 checkpoints are multimodal: the same language model, and vision and audio towers (472M
+    # parameters at their default sizes) that do not run on text.
+    multimodal = build_meta_model(Gemma4Config(text_config=dims, vision_config=Gemma4VisionConfig(),
+                                               audio_config=Gemma4AudioConfig()))
+    assert active_matmul_params(multimodal) == expected
+    assert training_flops_per_token(multimodal, 64) == training_flops_per_token(model, 64)
+
+    # Gemma 4's mixture of experts routes each token to top_k_experts of num_experts (and keeps the dense MLP).
+    moe = build_meta_model(Gemma4TextConfig(**dims, enable_moe_block=True, num_experts=16, top_k_experts=2,
+                                            moe_intermediate_size=32))
+    router = 2 * 16 * 64
+    experts = 2 * 16 * (2 * 32 * 64 + 64 * 32)  # gate_up_proj, down_proj
+    assert active_matmul_params(moe) == expected + router + experts * 2 / 16
+
+
+def test_linear_attention_layers_add_no_attention_term():
+    # Qwen3-Next: three gated-delta-net (linear_attention) layers, then one of softmax attention.
+    config = Qwen3NextConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    model = build_meta_model(config)
+    assert attended_lengths(config, 512) == [0, 0, 0, 512]
+    assert training_flops_per_token(model, 512) == 6 * active_matmul_params(model) + 12 * 4 * 16 * 512
+
+
 def test_peak_flops_unknown_on_cpu():
     assert peak_flops(torch.device("cpu")) is None
 
@@ -57,3 +106,35 @@ def test_peak_flops_by_the_name_torch_gives():
     assert peak_flops_of("NVIDIA H200 NVL") == peak_flops_of("NVIDIA H100 NVL") == 835e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
     assert peak_flops_of("NVIDIA GeForce RTX 4090") is None
+
+
+def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
+    """The MFU path of a GPU with a known peak, on the CPU: one process trains a tiny Gemma 4, multimodal as the
+    hub's checkpoints are (without their towers), whose full-attention layer has a head_dim of its own; the logged
+    mfu is the step's tokens/s x the FLOPs per token at its row length over the peak."""
+    tokenizer = demo.build_tokenizer()
+    special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                   eos_token_id=tokenizer.eos_token_id)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=len(tokenizer), **special)
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None, **special)
+    torch.manual_seed(0)
+    Gemma4ForConditionalGeneration(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    demo.write_jsonl(tmp_path / "train.jsonl", demo.make_split(seed=1, n_train=16, n_eval=0)[0])
+    peak = 1e12
+    run([sys.executable, REPO / "tests" / "drivers" / "known_peak_run.py", peak, "recipes/sft.py",
+         "--model_name_or_path", tmp_path / "model", "--dataset_name", tmp_path / "train.jsonl", "--output_dir",
+         tmp_path / "run", "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
+         "--mixed_precision", "no", "--save_dtype", "float32"])
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    architecture = build_meta_model(config)
+    for m in metrics:
+        # One micro-batch of 4 rows per step, padded to its longest: the mean row length is that length.
+        row_length = m["input_tokens"] / m["real_token_share"] / 4
+        assert row_length == round(row_length) > 8  # longer than the window, so both head_dims count
+        flops = training_flops_per_token(architecture, round(row_length))
+        assert m["mfu"] == pytest.approx(m["tokens_per_second_per_device"] * flops / peak, rel=1e-12)

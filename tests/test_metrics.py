@@ -78,6 +78,14 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     assert resumed["config"]["max_steps"] == 6
 
 
+def test_logged_learning_rate_warms_up_for_the_yamls_fraction_of_the_run(observed):
+    # llama_sft.yaml's warmup_steps 0.03 of the first run's 4 steps: 1 step (rounded up), then the cosine decay.
+    train, _ = split_metrics(observed["out"] / "metrics.jsonl")
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 3)) for k in range(3)]
+    assert [m["learning_rate"] for m in train[:4]] == pytest.approx([0.0] + [1e-5 * c for c in cosine], rel=1e-12)
+    assert "training: 4 steps (1 of warm-up) of 4 x 4 sequences on each of 2 ranks" in observed["first"].stdout
+
+
 def test_logged_peak_memory_is_the_largest_of_all_ranks(observed):
     mine, other = ([r["memory"]["peak_rss_gib"] for r in observed["records"][rank] if "memory" in r] for rank in (0, 1))
     assert len(mine) == len(other) == 4  # one reduction per logged step, on every rank
@@ -98,6 +106,23 @@ def test_eval_loss_equals_the_whole_split_in_one_process(observed):
         assert logged["eval/loss"] == mine["eval"]["eval/loss"]
         assert logged["eval/perplexity"] == pytest.approx(math.exp(logged["eval/loss"]), rel=1e-12)
     assert "eval at step 6: loss" in observed["resumed"].stdout
+    # The step's checkpoint is saved before its evaluation starts: an evaluation that fails loses no step.
+    assert [r["checkpoints"] for r in results[0]] == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
+
+
+def test_eval_batch_defaults_to_the_training_micro_batch():
+    # Evaluation then holds no more than a training micro-batch: qwen3_moe_sft.yaml trains 1 sequence of 4096
+    # tokens, whose fp32 logits over Qwen3's 151,936-token vocabulary take 2.3 GiB; the old default (8) held 8 times
+    # that.
+    def eval_batch_size(*args):
+        return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args]).per_device_eval_batch_size
+
+    assert eval_batch_size("--config", "recipes/configs/qwen3_moe_sft.yaml") == 1
+    assert eval_batch_size("--config", "recipes/configs/llama_sft.yaml") == 4
+    assert eval_batch_size("--per_device_train_batch_size", "3") == 3
+    assert eval_batch_size("--per_device_train_batch_size", "3", "--per_device_eval_batch_size", "8") == 8
+    with pytest.raises(ConfigError, match="per_device_eval_batch_size must be at least 1, got 0"):
+        eval_batch_size("--per_device_eval_batch_size", "0")
 
 
 def test_sample_generation_is_what_from_pretrained_generates(observed):

@@ -156,9 +156,10 @@ def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
         assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
 
 
-def test_router_aux_loss_is_weighted_as_hf_trainer_does():
-    """Two micro-batches with equal label counts: the gradient is that of the mean of HF's own per-micro-batch
-    loss (mean cross-entropy + coef x aux_loss), and differs without the router loss."""
+def test_router_aux_loss_is_weighted_as_the_models_own_loss():
+    """Two micro-batches with equal label counts: the gradient is that of the mean of the model's own per-micro-batch
+    loss (mean cross-entropy + coef x aux_loss), and differs without the router loss. HF's Trainer weights the router
+    loss more: tests/test_router_loss.py."""
     config = Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             output_router_logits=True, router_aux_loss_coef=0.1)
     torch.manual_seed(0)

@@ -109,7 +109,7 @@ def test_offload_loads_persistent_buffers_from_rank0_and_from_a_full_checkpoint(
 
     tokenizer = demo.build_tokenizer()
     config = Gemma4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=len(tokenizer),
                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id)

@@ -4,8 +4,9 @@
 
 Writes <record_dir>/rank_<r>.jsonl, one line per event:
 - {"memory": ...}: this rank's own peak-memory figures each time the trainer reduces them over the ranks;
-- {"eval": ..., "reference": ..., "forward_passes": n}: evaluate()'s result, the token-weighted loss of the whole
-  held-out split computed by this rank alone on an unsharded copy of the model, and this rank's forward passes.
+- {"eval": ..., "reference": ..., "forward_passes": n, "checkpoints": [...]}: evaluate()'s result, the
+  token-weighted loss of the whole held-out split computed by this rank alone on an unsharded copy of the model,
+  this rank's forward passes, and the checkpoint folders in output_dir when the evaluation started.
 Rank 1 holds 200 MB more than rank 0, so that its peak memory is the larger one.
 """
 
@@ -45,6 +46,7 @@ evaluate = fsdp_recipes.trainer.evaluate
 
 
 def checked_evaluate(model, eval_dataset, cfg, tokenizer, env):
+    checkpoints = sorted(name for name in os.listdir(cfg.output_dir) if name.startswith("checkpoint-"))
     passes = []
     hook = model.register_forward_hook(lambda *args: passes.append(1))
     result = evaluate(model, eval_dataset, cfg, tokenizer, env)
@@ -59,7 +61,7 @@ def checked_evaluate(model, eval_dataset, cfg, tokenizer, env):
     loss_sum = fsdp_recipes.trainer.token_loss_sum(logits, batch["labels"]).item()
     tokens = int((batch["labels"][:, 1:] != -100).sum())
     record({"eval": result, "reference": loss_sum / tokens, "forward_passes": len(passes),
-            "eval_examples": len(eval_dataset)})
+            "eval_examples": len(eval_dataset), "checkpoints": checkpoints})
     return result
 
 

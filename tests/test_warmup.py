@@ -1,0 +1,42 @@
+"""warmup_steps: a number of steps or a fraction of the run, as transformers' TrainingArguments reads it, and never
+the whole run (the learning rate would never reach learning_rate, nor decay)."""
+
+import sys
+
+import pytest
+from transformers import TrainingArguments
+
+from conftest import run
+from fsdp_recipes.config import ConfigError, parse_config
+
+
+def config(*args):
+    return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args])
+
+
+def test_warmup_steps_count_as_transformers_counts_them(tmp_path):
+    for warmup, total_steps in [("0", 5), ("0.03", 4), ("0.03", 100), ("0.03", 101), ("0.5", 7), ("2", 3), ("50", 51)]:
+        reference = TrainingArguments(output_dir=str(tmp_path), warmup_steps=float(warmup), report_to="none")
+        assert config("--warmup_steps", warmup).num_warmup_steps(total_steps) == reference.get_warmup_steps(total_steps)
+    # The shipped fine-tuning YAMLs give 3% of the run: 1 step of 4, 30 of 1,000.
+    shipped = parse_config(["--config", "recipes/configs/llama_sft.yaml", "--dataset_name", "d"])
+    assert (shipped.num_warmup_steps(4), shipped.num_warmup_steps(1000)) == (1, 30)
+
+
+def test_a_warmup_as_long_as_the_run_is_refused(tiny, tmp_path):
+    with pytest.raises(ConfigError, match=r"warmup_steps 3 covers the whole run of 3 steps"):
+        config("--warmup_steps", "3").num_warmup_steps(3)
+    with pytest.raises(ConfigError, match=r"warmup_steps 0.5 \(of 1 steps, rounded up: 1\) covers the whole run"):
+        config("--warmup_steps", "0.5").num_warmup_steps(1)
+    for value in ("2.5", "-1", "inf"):
+        with pytest.raises(ConfigError, match="warmup_steps must be a whole number of steps, or a fraction in"):
+            config("--warmup_steps", value)
+    # Through a recipe: the trainer knows the run's length (here max_steps) and stops before the first step.
+    proc = run([sys.executable, "recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
+                "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+                "--max_steps", "3", "--warmup_steps", "50", "--max_seq_length", "64"], expect_rc=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: warmup_steps 50 covers the whole run of 3 steps: the learning rate would never reach learning_rate "
+        "1e-05, nor decay. Lower warmup_steps (steps below 3, or a fraction of the run such as 0.03) or train longer "
+        "(max_steps, num_train_epochs)")
+    assert not (tmp_path / "metrics.jsonl").exists()
