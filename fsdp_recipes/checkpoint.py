@@ -20,6 +20,7 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
 from typing import Optional
 
@@ -151,12 +152,52 @@ def previous_run(output_dir: str) -> list[str]:
     return found + [name for name in (LATEST_NAME, "final") if os.path.exists(os.path.join(output_dir, name))]
 
 
+def check_shared_output_dir(out: str) -> None:
+    """Rank 0 creates `out` and writes a random token into it, which every rank must read back: with per-node disks
+    (or a stale view of a network file system) the ranks would resolve `latest` to different checkpoints, and a save
+    would fail once rank 0 has renamed what the others wrote. An output_dir rank 0 cannot write fails here too, not
+    after the data and the model are loaded. Every rank calls this; every rank raises the same error."""
+    marker = os.path.join(out, ".fsdp_recipes_shared_check")
+    written: list[Optional[str]] = [None]  # rank 0's token, or why it could not write one
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(out, exist_ok=True)
+            token = secrets.token_hex(16)
+            with open(marker, "w") as f:
+                f.write(token)
+            written[0] = "token " + token
+        except OSError as error:
+            written[0] = f"error {type(error).__name__}: {error}"
+    dist.broadcast_object_list(written, src=0)
+    if written[0].startswith("error "):
+        raise ConfigError(f"output_dir {out} cannot be created or written ({written[0][6:]}): choose an output_dir "
+                          f"this user can write, on a file system that every rank sees")
+    try:
+        with open(marker) as f:
+            seen = "token " + f.read()
+    except OSError as error:
+        seen = f"no marker file ({type(error).__name__})"
+    everyone: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    if dist.get_rank() == 0:
+        os.remove(marker)  # every rank has read it: the gather above waited for them all
+    dist.barrier()  # and no rank goes on before it is gone
+    differ = [(rank, what) for rank, what in enumerate(everyone) if what != written[0]]
+    if differ:
+        rank, what = differ[0]
+        reads = "another token than rank 0 wrote" if what.startswith("token ") else what
+        raise ConfigError(f"output_dir {out} is not on a file system that every rank sees (rank {rank} reads {reads} "
+                          f"where rank 0 wrote {marker}): put it on a shared file system")
+
+
 def prepare_output_dir(cfg: TrainConfig) -> None:
-    """Every rank calls this before loading anything. A fresh run (or a resume from a checkpoint elsewhere) into an
-    output_dir that holds an earlier run's checkpoints or final/ is refused: it would overwrite them, and its
-    checkpoints would mix with them (retention keeps the highest steps, whichever run wrote them). With
-    overwrite_output_dir, rank 0 removes them."""
+    """Every rank calls this before loading anything. It checks that every rank sees the same output_dir (see
+    check_shared_output_dir). A fresh run (or a resume from a checkpoint elsewhere) into an output_dir that holds
+    an earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with
+    them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, rank 0 removes
+    them."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
+    check_shared_output_dir(out)
     inside = resume and (resume == "auto" or os.path.abspath(resume).startswith(os.path.abspath(out) + os.sep))
     if cfg.overwrite_output_dir:
         if inside:
@@ -253,12 +294,10 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     if not path:
         return None
     if path == "auto":
-        latest = os.path.join(cfg.output_dir, LATEST_NAME)
-        if not os.path.isfile(latest):
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
             print_rank0(f"resume: no checkpoint in {cfg.output_dir} yet, starting from step 0")
             return None
-        with open(latest) as f:
-            path = os.path.join(cfg.output_dir, f.read().strip())
     state = validate_checkpoint(path)
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
@@ -293,6 +332,18 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
             f"run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
             f"<out_dir>`")
     return path
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The checkpoint `<output_dir>/latest` names, as rank 0 reads it (None: no `latest`), so that every rank resumes
+    from the same one. Every rank calls this."""
+    found: list[Optional[str]] = [None]
+    latest = os.path.join(output_dir, LATEST_NAME)
+    if dist.get_rank() == 0 and os.path.isfile(latest):
+        with open(latest) as f:
+            found[0] = os.path.join(output_dir, f.read().strip())
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 def _global_batch(config: dict, world_size: int) -> tuple[int, str]:

@@ -376,6 +376,32 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_every_rank_must_see_the_same_output_dir(tmp_path):
+    # Per-node disks, simulated with an output_dir of each rank's own: refused on every rank, and `auto` resolves
+    # to the checkpoint rank 0 reads on every rank.
+    torchrun("tests/drivers/ckpt_shared_dir.py", tmp_path)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert result["shared"] is None and result["shared_files"] == []  # the marker file is removed again
+        assert result["per_node"] == (
+            f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 reads no marker "
+            f"file (FileNotFoundError) where rank 0 wrote {tmp_path}/node{rank}/.fsdp_recipes_shared_check): put it "
+            f"on a shared file system")
+        assert result["resume_auto"] == (
+            f"{tmp_path}/node0/checkpoint-2 is not a checkpoint: it has no trainer_state.json (expected a "
+            f"checkpoint-<step> folder written by this project)")
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_process_group):
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(ConfigError) as error:
+        prepare_output_dir(config(tmp_path / "a_file" / "out"))
+    assert str(error.value) == (
+        f"output_dir {tmp_path}/a_file/out cannot be created or written (NotADirectoryError: [Errno 20] Not a "
+        f"directory: '{tmp_path}/a_file/out'): choose an output_dir this user can write, on a file system that "
+        f"every rank sees")
+
+
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
     (tmp_path / "final").mkdir()
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
