@@ -5,7 +5,8 @@ A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
   "sharded"; in the "full" format the folder itself holds the fp32 weights as HF safetensors, written by rank 0.
 - `optimizer/`: the optimizer state (DCP, each rank its shards; DCP reloads it into any world size).
 - `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
-- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run id and the resolved config.
+- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run id, the resolved config and the
+  training data's identity (rows and a hash of its tokens).
 - `config.json`, `generation_config.json`, tokenizer files: what the converter needs to write an HF folder.
 
 A save is written to `checkpoint-<step>.tmp` and renamed by rank 0 once every rank has finished; `latest` (a text
@@ -15,6 +16,7 @@ checkpoint complete and `latest` pointing at it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -25,6 +27,7 @@ import shutil
 from typing import Optional
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -324,6 +327,14 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
         raise CheckpointError(f"{path} was saved with another tokenizer (its {', '.join(differ)} differ): resume "
                               f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or start a fresh "
                               f"run")
+    # The same dataset_name with other content (a file edited or replaced in place): the data position would
+    # point at other examples.
+    differ = training_data_differences(state, train_dataset)
+    if differ:
+        raise CheckpointError(f"{path} was saved by a run whose training data differ from this run's "
+                              f"{cfg.dataset_name} ({differ}): a resume continues at step {state['step']} of that "
+                              f"data's order, so resume with the data the checkpoint was trained on, or start a "
+                              f"fresh run (without --resume_from_checkpoint)")
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
     if state["step"] >= total_steps:  # final/ would silently be the checkpoint's weights
         raise CheckpointError(
@@ -344,6 +355,37 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
             found[0] = os.path.join(output_dir, f.read().strip())
     dist.broadcast_object_list(found, src=0)
     return found[0]
+
+
+def training_data_identity(dataset) -> dict:
+    """What a resume compares of the tokenized training data: its rows, and a SHA-256 of its token ids (and of each
+    row's length) in the order the data set reads them. Not the datasets fingerprint: that also hashes the data
+    files' modification times, so a file copied or touched with the same content would refuse a normal resume.
+    Reads the memory-mapped Arrow columns without copying them (0.3 s for 50 million int32 tokens on 2 cores)."""
+    lengths, tokens = hashlib.sha256(), hashlib.sha256()
+    for chunk in dataset.data.column("input_ids").chunks:  # the stored rows; _indices (if any) maps them
+        lengths.update(pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+        tokens.update(np.ascontiguousarray(chunk.flatten().to_numpy()))
+    digest = hashlib.sha256(lengths.digest() + tokens.digest())
+    if dataset._indices is not None:  # a selection or shuffle of the stored rows (datasets' select, shuffle)
+        for chunk in dataset._indices.column("indices").chunks:
+            digest.update(np.ascontiguousarray(chunk.to_numpy()))
+    return {"rows": len(dataset), "sha256": digest.hexdigest()}
+
+
+def training_data_differences(state: dict, dataset) -> Optional[str]:
+    """What changed in the training data since the checkpoint (None: nothing, or a checkpoint that predates the
+    record)."""
+    saved = state.get("train_data")
+    if saved is None:
+        return None
+    current = training_data_identity(dataset)
+    if saved["rows"] != current["rows"]:
+        return f"it had {saved['rows']} rows after tokenization, now {current['rows']}"
+    if saved["sha256"] != current["sha256"]:
+        return f"the same {current['rows']} rows, but other tokens (sha256 {saved['sha256'][:12]}..., now " \
+               f"{current['sha256'][:12]}...)"
+    return None
 
 
 def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
@@ -428,8 +470,9 @@ def sharded_model_state_dict(model: nn.Module) -> dict:
 
 
 def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
-                    wandb_run_id: Optional[str]) -> str:
-    """Every rank calls this. Returns the path of the finished checkpoint."""
+                    wandb_run_id: Optional[str], train_data: Optional[dict] = None) -> str:
+    """Every rank calls this. Returns the path of the finished checkpoint. `train_data` is rank 0's
+    training_data_identity of the run's data (None: not recorded, and a resume cannot compare it)."""
     fmt = resolve_state_dict_type(cfg)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
@@ -450,7 +493,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     if rank == 0:
         write_model_files(model, tokenizer, tmp, torch.float32)
         state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
-                 "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict()}
+                 "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict(), "train_data": train_data}
         with open(os.path.join(tmp, STATE_NAME), "w") as f:
             json.dump(state, f, indent=2)
     dist.barrier()  # every rank has written its files

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import torch.distributed as dist
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_output_dir, resolve_resume,
-                                     resolve_state_dict_type, validate_checkpoint)
+                                     resolve_state_dict_type, training_data_identity, validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
@@ -475,6 +475,46 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
         assert str(error.value) == (
             f"{checkpoint} was saved with another tokenizer (its {parts} differ): resume with the checkpoint's "
             f"tokenizer (--tokenizer_name_or_path {checkpoint}), or start a fresh run")
+
+
+def test_resume_with_training_data_changed_in_place_is_refused(tiny, reference, tmp_path, one_process_group):
+    checkpoint = reference / "checkpoint-6"
+    cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4", "--max_steps", "8")
+    # Recorded by the run's process, equal in this one: a resume with the same data goes ahead.
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["train_data"] == training_data_identity(data)
+    rows = [json.loads(line) for line in tiny["data"].read_text().splitlines()]
+    edited = json.loads(json.dumps(rows))
+    edited[100]["messages"][-1]["content"] += " Also."
+
+    def built(name: str, examples: list[dict]):
+        """`examples` tokenized as this run does, standing for the run's dataset_name with another content."""
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+        return build_datasets(dataclasses.replace(cfg, dataset_name=str(path)), tokenizer)[0]
+
+    for changed, what in [(built("edited.jsonl", edited), "the same 256 rows, but other tokens"),
+                          (built("shorter.jsonl", rows[:240]), "it had 256 rows after tokenization, now 240")]:
+        with pytest.raises(CheckpointError) as error:
+            resolve_resume(cfg, model, tokenizer, changed)
+        assert str(error.value).startswith(
+            f"{checkpoint} was saved by a run whose training data differ from this run's {tiny['data']} ({what}")
+        assert str(error.value).endswith(
+            "): a resume continues at step 6 of that data's order, so resume with the data the checkpoint was trained "
+            "on, or start a fresh run (without --resume_from_checkpoint)")
+    # A data file copied or touched with the same content keeps its identity (not the datasets fingerprint).
+    copy = built("copy.jsonl", rows)
+    os.utime(tmp_path / "copy.jsonl", (1e9, 1e9))
+    touched = build_datasets(dataclasses.replace(cfg, dataset_name=str(tmp_path / "copy.jsonl")), tokenizer)[0]
+    assert touched._fingerprint != copy._fingerprint
+    assert training_data_identity(touched) == training_data_identity(copy) == training_data_identity(data)
+    # A checkpoint written before the record was kept resumes (nothing to compare with).
+    shutil.copytree(checkpoint, tmp_path / "older")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["train_data"]
+    (tmp_path / "older" / "trainer_state.json").write_text(json.dumps(state))
+    older = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "older"))
+    assert resolve_resume(older, model, tokenizer, built("edited_again.jsonl", edited)) == str(tmp_path / "older")
 
 
 def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_data(tiny, reference, tmp_path):
