@@ -531,6 +531,13 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
     dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
     set_optimizer_state_dict(model, optimizer, optim_sd)
     scheduler.load_state_dict(state["scheduler"])
+    # The checkpoint's LRs (the param groups' and the scheduler's last) are its own run's schedule at this step; a
+    # run whose length changed (max_steps, num_train_epochs) trains the next step with its own schedule's, as an
+    # uninterrupted run of that length would. The same float LambdaLR.step computes: unchanged length, same LRs.
+    for group, base_lr, lr_lambda in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                         strict=True):
+        group["lr"] = base_lr * lr_lambda(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() returns
     if state["world_size"] == dist.get_world_size():
         _set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"), weights_only=True))
     else:

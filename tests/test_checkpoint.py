@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
 import torch.distributed as dist
 
@@ -159,6 +159,16 @@ def test_resume_mid_epoch_gives_equal_losses_optimizer_and_weights(tiny, referen
     assert sorted(os.listdir(tmp_path / "converted")) == sorted(os.listdir(reference / "final"))
 
 
+def scheduled_lr(step: int, total_steps: int) -> float:
+    """The LR an uninterrupted run of total_steps trains step + 1 with (recipe_args' LR, cosine, no warm-up)."""
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=1e-2)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=total_steps)
+    for _ in range(step):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
 @pytest.mark.parametrize("fsdp_version, saved_by, loaded_by", [(2, 2, 1), (2, 1, 2), (1, 2, 1)])
 def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_path, fsdp_version, saved_by,
                                                           loaded_by):
@@ -177,13 +187,17 @@ def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_
     saved_optim = dcp_contents(checkpoint / "optimizer", tmp_path)
     assert_same_weights(loaded["model"], saved_model)
     assert_same_optimizer_state(loaded["optimizer"]["state"], saved_optim["state"])
-    assert loaded["optimizer"]["param_groups"] == saved_optim["param_groups"]
+    # All but the LR, which follows the loader's schedule (below).
+    assert ([{k: v for k, v in group.items() if k != "lr"} for group in loaded["optimizer"]["param_groups"]]
+            == [{k: v for k, v in group.items() if k != "lr"} for group in saved_optim["param_groups"]])
     # Weight decay on the matrices, none on the norm weights (FSDP1's sharded parameters are all 1-D views).
     decay, no_decay = saved_optim["param_groups"]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert {saved_model[name].ndim for name in decay["params"]} == {2}
     assert {saved_model[name].ndim for name in no_decay["params"]} == {1}
-    assert loaded["lr"] == [json.loads((checkpoint / "trainer_state.json").read_text())["scheduler"]["_last_lr"][0]] * 2
+    # The LRs of the next step follow the loader's schedule (6 steps), also from the 2-step run's checkpoint.
+    step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert loaded["lr"] == loaded["group_lr"] == [scheduled_lr(step, total_steps=6)] * 2
 
 
 @pytest.mark.parametrize("mode, fmt", [("after_checkpoint", "full"), ("during_save", "sharded")])
@@ -567,6 +581,18 @@ def test_resume_with_dropout_gives_bit_equal_losses(dropout_run, tmp_path):
     uninterrupted = losses(dropout_run["out"])
     assert losses(tmp_path) == {3: uninterrupted[3], 4: uninterrupted[4]}
     assert_same_weights(final_weights(tmp_path), final_weights(dropout_run["out"]))
+
+
+def test_resume_into_a_longer_run_follows_its_schedule(dropout_run, reference, tmp_path):
+    # From the end of the 4-step run (cosine: LR 0 next) to 6 steps: steps 5 and 6 train with the LRs of the
+    # uninterrupted 6-step run, not with the 4-step schedule's.
+    resumed = run([sys.executable, RECIPE, *dropout_run["args"][:-2], "--max_steps", "6", "--output_dir", tmp_path,
+                   "--resume_from_checkpoint", dropout_run["out"] / "checkpoint-4"])
+    assert "the LR schedule follows the new total from step 4" in resumed.stdout
+    learning_rates = {m["step"]: m["learning_rate"] for m in read_metrics(tmp_path / "metrics.jsonl")}
+    uninterrupted = {m["step"]: m["learning_rate"] for m in read_metrics(reference / "metrics.jsonl")}
+    assert learning_rates == {5: uninterrupted[5], 6: uninterrupted[6]} == {5: scheduled_lr(4, 6), 6: scheduled_lr(5, 6)}
+    assert learning_rates[5] > 0
 
 
 def test_weights_load_memory_per_rank_and_engine(tmp_path):
