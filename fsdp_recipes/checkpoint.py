@@ -201,7 +201,8 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     them."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
-    inside = resume and (resume == "auto" or os.path.abspath(resume).startswith(os.path.abspath(out) + os.sep))
+    # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
+    inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
     if cfg.overwrite_output_dir:
         if inside:
             raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "

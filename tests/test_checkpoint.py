@@ -390,6 +390,20 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
+    real, link = tmp_path / "real", tmp_path / "link"
+    (real / "checkpoint-4").mkdir(parents=True)
+    (real / "latest").write_text("checkpoint-4")
+    link.symlink_to(real)
+    for out, checkpoint in [(link, real / "checkpoint-4"), (real, link / "checkpoint-4")]:
+        prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint)))
+        # overwrite_output_dir would remove the checkpoint being resumed.
+        with pytest.raises(ConfigError, match="resumes from one of them: pass only one of the two"):
+            prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint), "--overwrite_output_dir",
+                                      "true"))
+    assert sorted(os.listdir(real)) == ["checkpoint-4", "latest"]
+
+
 def test_every_rank_must_see_the_same_output_dir(tmp_path):
     # Per-node disks, simulated with an output_dir of each rank's own: refused on every rank, and `auto` resolves
     # to the checkpoint rank 0 reads on every rank.
