@@ -24,7 +24,7 @@ import random
 import re
 import secrets
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import pyarrow.compute as pc
@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -478,26 +479,37 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
 
-    if fmt == "sharded":
-        dcp.save(sharded_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
-    else:
-        # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
-        write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)
-    dcp.save(get_optimizer_state_dict(model, optimizer, options=save_options(model)),
-             checkpoint_id=os.path.join(tmp, "optimizer"))
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    if rank == 0:
-        write_model_files(model, tokenizer, tmp, torch.float32)
-        state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
-                 "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict(), "train_data": train_data}
-        with open(os.path.join(tmp, STATE_NAME), "w") as f:
-            json.dump(state, f, indent=2)
-    dist.barrier()  # every rank has written its files
+    def make_folder():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+            os.makedirs(os.path.join(tmp, "rng"))
+
+    def write_model():
+        if fmt == "sharded":
+            dcp.save(sharded_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
+        else:
+            # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
+            write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)
+
+    def write_optimizer():
+        dcp.save(get_optimizer_state_dict(model, optimizer, options=save_options(model)),
+                 checkpoint_id=os.path.join(tmp, "optimizer"))
+
+    def write_own_files():
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        if rank == 0:
+            write_model_files(model, tokenizer, tmp, torch.float32)
+            state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
+                     "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict(),
+                     "train_data": train_data}
+            with open(os.path.join(tmp, STATE_NAME), "w") as f:
+                json.dump(state, f, indent=2)
+
+    # One part at a time, each ending when every rank has done it: the parts hold collectives (DCP's, the full
+    # weights' gather), which a rank that failed alone would leave the others waiting in.
+    for write in (make_folder, write_model, write_optimizer, write_own_files):
+        _write_on_every_rank(write, tmp, cfg.output_dir)
 
     if rank == 0:
         replace_dir(tmp, final)
@@ -508,6 +520,31 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     dist.barrier()
     print_rank0(f"saved {final} ({fmt})")
     return final
+
+
+def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -> None:
+    """Run this rank's part of a save; then every rank learns whether any rank failed, and all raise the same
+    CheckpointError. A full disk shows up as torch's "unexpected pos" or DCP's CheckpointException, which do not
+    say so: the error gives the space left."""
+    failure, report = None, None
+    try:
+        write()
+    except (OSError, RuntimeError, CheckpointException) as error:
+        failure = error
+        if isinstance(error, CheckpointException):  # DCP's, on every rank, with each failed rank's exception
+            own = error.failures.get(dist.get_rank())
+            error = own[0] if own else None
+        if error is not None:
+            report = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    reports: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
+    if failed:
+        free_mib = shutil.disk_usage(output_dir).free / 2**20
+        raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with {free_mib:,.1f} MiB "
+                              f"free on the file system of {output_dir}: make room (or lower --save_total_limit), "
+                              f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
+                              f"checkpoint, if any)") from failure
 
 
 def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:

@@ -8,8 +8,10 @@ world-size tests also FSDP1's.
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -122,6 +124,29 @@ def test_retention_latest_and_layout(reference):
     assert sorted(os.listdir(reference / "checkpoint-4" / "rng")) == ["rank_0.pt", "rank_1.pt"]
     [wandb_run] = (reference / "wandb").glob("offline-run-*")
     assert state["wandb_run_id"] and wandb_run.name.endswith("-" + state["wandb_run_id"])
+
+
+def can_mount_a_tmpfs() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs root and unshare, to mount a small tmpfs of its own")
+def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
+    # output_dir on a 2 MB tmpfs (in a mount namespace of the run's own), room for one checkpoint of the tiny model:
+    # the second save fails. The shell copies what the run left there to tmp_path/left before the tmpfs goes.
+    out = tmp_path / "small_disk"
+    out.mkdir()
+    script = 'mount -t tmpfs -o size=2m tmpfs "$0" && "$@"; rc=$?; cp -r "$0" "$0/../left"; exit $rc'
+    proc = run(["unshare", "-m", "sh", "-c", script, out, sys.executable, RECIPE,
+                *recipe_args(tiny, out, "--max_steps", "4", "--save_steps", "1")], expect_rc=2)
+    error = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        f"error: writing the checkpoint {out}/checkpoint-2.tmp failed \\(rank 0: .+\\), with [0-9.]+ MiB free on the "
+        f"file system of {out}: make room \\(or lower --save_total_limit\\), then resume with "
+        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", error), error
+    left = tmp_path / "left"
+    assert (left / "latest").read_text() == "checkpoint-1"
+    assert validate_checkpoint(str(left / "checkpoint-1"))["step"] == 1
 
 
 def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
