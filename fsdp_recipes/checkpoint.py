@@ -498,6 +498,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
 
     def write_own_files():
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        _fsync(os.path.join(tmp, "rng", f"rank_{rank}.pt"))  # each rank its own: another client's fsync may not
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
@@ -505,21 +506,44 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
                      "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)
+            # The files rank 0 wrote into the folder: the state, the model files, the full format's weights (DCP
+            # syncs its own files).
+            for name in os.listdir(tmp):
+                if os.path.isfile(os.path.join(tmp, name)):
+                    _fsync(os.path.join(tmp, name))
 
     # One part at a time, each ending when every rank has done it: the parts hold collectives (DCP's, the full
     # weights' gather), which a rank that failed alone would leave the others waiting in.
     for write in (make_folder, write_model, write_optimizer, write_own_files):
         _write_on_every_rank(write, tmp, cfg.output_dir)
 
+    # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
+    # after a save could otherwise leave `latest` naming a folder of empty files.
     if rank == 0:
+        for folder in [os.path.join(tmp, name) for name in ("rng", "model", "optimizer")] + [tmp]:
+            if os.path.isdir(folder):  # model/ is the sharded format's
+                _fsync(folder)  # its entries: the names of the files in it
         replace_dir(tmp, final)
-        with open(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), "w") as f:
+        _fsync(cfg.output_dir)  # the rename
+        latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")
+        with open(latest_tmp, "w") as f:
             f.write(os.path.basename(final))
-        os.replace(os.path.join(cfg.output_dir, LATEST_NAME + ".tmp"), os.path.join(cfg.output_dir, LATEST_NAME))
+        _fsync(latest_tmp)
+        os.replace(latest_tmp, os.path.join(cfg.output_dir, LATEST_NAME))
+        _fsync(cfg.output_dir)
         _apply_retention(cfg, step)
     dist.barrier()
     print_rank0(f"saved {final} ({fmt})")
     return final
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's contents, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -> None:

@@ -25,12 +25,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 import torch.distributed as dist
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_output_dir, resolve_resume,
-                                     resolve_state_dict_type, training_data_identity, validate_checkpoint)
+                                     resolve_state_dict_type, save_checkpoint, training_data_identity,
+                                     validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import replace_dir
-from fsdp_recipes.model import load_tokenizer
+from fsdp_recipes.model import load_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import shard_model
+from fsdp_recipes.trainer import build_optimizer
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
@@ -147,6 +151,35 @@ def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
     left = tmp_path / "left"
     assert (left / "latest").read_text() == "checkpoint-1"
     assert validate_checkpoint(str(left / "checkpoint-1"))["step"] == 1
+
+
+def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
+    """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
+    crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
+    recorded, and still called)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    monkeypatch.undo()
+    tmp, final = tmp_path / "checkpoint-2.tmp", tmp_path / "checkpoint-2"
+    renamed = events.index(("replace", str(tmp), str(final)))
+    latest = events.index(("replace", f"{tmp_path}/latest.tmp", f"{tmp_path}/latest"))
+    synced_before = {path for _, path in events[:renamed]}
+    written = {str(p) for p in tmp_path.glob("checkpoint-2/**/*")}
+    # DCP syncs its .metadata as .metadata.tmp, which it renames in the folder synced after it.
+    synced_before = {path.replace(str(tmp), str(final)).replace(".metadata.tmp", ".metadata") for path in synced_before}
+    assert synced_before >= written | {str(final)}, written - synced_before
+    assert ("fsync", str(tmp_path)) in events[renamed:latest] and ("fsync", f"{tmp_path}/latest.tmp") in events
+    assert events[latest + 1] == ("fsync", str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "checkpoint-2"
 
 
 def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
@@ -630,7 +663,8 @@ def test_resume_into_a_longer_run_follows_its_schedule(dropout_run, reference, t
     assert "the LR schedule follows the new total from step 4" in resumed.stdout
     learning_rates = {m["step"]: m["learning_rate"] for m in read_metrics(tmp_path / "metrics.jsonl")}
     uninterrupted = {m["step"]: m["learning_rate"] for m in read_metrics(reference / "metrics.jsonl")}
-    assert learning_rates == {5: uninterrupted[5], 6: uninterrupted[6]} == {5: scheduled_lr(4, 6), 6: scheduled_lr(5, 6)}
+    assert learning_rates == {step: uninterrupted[step] for step in (5, 6)}
+    assert learning_rates == {step: scheduled_lr(step - 1, total_steps=6) for step in (5, 6)}
     assert learning_rates[5] > 0
 
 
