@@ -161,37 +161,38 @@ def check_shared_output_dir(out: str) -> None:
     (or a stale view of a network file system) the ranks would resolve `latest` to different checkpoints, and a save
     would fail once rank 0 has renamed what the others wrote. An output_dir rank 0 cannot write fails here too, not
     after the data and the model are loaded. Every rank calls this; every rank raises the same error."""
-    marker = os.path.join(out, ".fsdp_recipes_shared_check")
-    written: list[Optional[str]] = [None]  # rank 0's token, or why it could not write one
+    sent: list[tuple[Optional[str], Optional[str]]] = [(None, None)]  # rank 0's token, or why it wrote none
     if dist.get_rank() == 0:
         try:
             os.makedirs(out, exist_ok=True)
             token = secrets.token_hex(16)
-            with open(marker, "w") as f:
+            # A new name each run: no cached lookup of an earlier run's file (network file systems) can answer.
+            with open(os.path.join(out, f".shared_check_{token}"), "w") as f:
                 f.write(token)
-            written[0] = "token " + token
+            sent[0] = (token, None)
         except OSError as error:
-            written[0] = f"error {type(error).__name__}: {error}"
-    dist.broadcast_object_list(written, src=0)
-    if written[0].startswith("error "):
-        raise ConfigError(f"output_dir {out} cannot be created or written ({written[0][6:]}): choose an output_dir "
-                          f"this user can write, on a file system that every rank sees")
+            sent[0] = (None, f"{type(error).__name__}: {error}")
+    dist.broadcast_object_list(sent, src=0)
+    token, failure = sent[0]
+    if failure:
+        raise ConfigError(f"output_dir {out} cannot be created or written ({failure}): choose an output_dir this "
+                          f"user can write, on a file system that every rank sees")
+    marker = os.path.join(out, f".shared_check_{token}")
     try:
         with open(marker) as f:
-            seen = "token " + f.read()
+            seen = None if f.read() == token else "other content in the file rank 0 wrote"
     except OSError as error:
-        seen = f"no marker file ({type(error).__name__})"
+        seen = f"no file where rank 0 wrote one ({type(error).__name__})"
     everyone: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
     if dist.get_rank() == 0:
         os.remove(marker)  # every rank has read it: the gather above waited for them all
     dist.barrier()  # and no rank goes on before it is gone
-    differ = [(rank, what) for rank, what in enumerate(everyone) if what != written[0]]
+    differ = [(rank, what) for rank, what in enumerate(everyone) if what]
     if differ:
         rank, what = differ[0]
-        reads = "another token than rank 0 wrote" if what.startswith("token ") else what
-        raise ConfigError(f"output_dir {out} is not on a file system that every rank sees (rank {rank} reads {reads} "
-                          f"where rank 0 wrote {marker}): put it on a shared file system")
+        raise ConfigError(f"output_dir {out} is not on a file system that every rank sees (rank {rank} finds {what}): "
+                          f"put it on a shared file system")
 
 
 def prepare_output_dir(cfg: TrainConfig) -> None:

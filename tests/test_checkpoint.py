@@ -470,9 +470,8 @@ def test_every_rank_must_see_the_same_output_dir(tmp_path):
         result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert result["shared"] is None and result["shared_files"] == []  # the marker file is removed again
         assert result["per_node"] == (
-            f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 reads no marker "
-            f"file (FileNotFoundError) where rank 0 wrote {tmp_path}/node{rank}/.fsdp_recipes_shared_check): put it "
-            f"on a shared file system")
+            f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 finds no file "
+            f"where rank 0 wrote one (FileNotFoundError)): put it on a shared file system")
         assert result["resume_auto"] == (
             f"{tmp_path}/node0/checkpoint-2 is not a checkpoint: it has no trainer_state.json (expected a "
             f"checkpoint-<step> folder written by this project)")
