@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
-from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint
+from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint, training_data_identity
 from .config import TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, check_token_ids, model_inputs, optimizer_step_batches
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
@@ -134,6 +134,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     )
     if cfg.save_steps:
         resolve_state_dict_type(cfg)  # a format the project cannot write fails now, not at the first save
+    # Recorded in each checkpoint (rank 0 writes the state), so that a resume notices data changed in place.
+    train_data = training_data_identity(train_dataset) if cfg.save_steps and env.is_main else None
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
     logger.start_at(start_step)
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
@@ -208,7 +210,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
 
         if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
             save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
-                            logger.wandb_run_id)
+                            logger.wandb_run_id, train_data)
         if evaluate_now:
             eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
             logger.log({"step": step, **eval_metrics})

@@ -8,8 +8,10 @@ world-size tests also FSDP1's.
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,17 +20,21 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
 import torch.distributed as dist
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_output_dir, resolve_resume,
-                                     resolve_state_dict_type, validate_checkpoint)
+                                     resolve_state_dict_type, save_checkpoint, training_data_identity,
+                                     validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import replace_dir
-from fsdp_recipes.model import load_tokenizer
+from fsdp_recipes.model import load_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import shard_model
+from fsdp_recipes.trainer import build_optimizer
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
@@ -124,6 +130,58 @@ def test_retention_latest_and_layout(reference):
     assert state["wandb_run_id"] and wandb_run.name.endswith("-" + state["wandb_run_id"])
 
 
+def can_mount_a_tmpfs() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount_a_tmpfs(), reason="needs root and unshare, to mount a small tmpfs of its own")
+def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
+    # output_dir on a 2 MB tmpfs (in a mount namespace of the run's own), room for one checkpoint of the tiny model:
+    # the second save fails. The shell copies what the run left there to tmp_path/left before the tmpfs goes.
+    out = tmp_path / "small_disk"
+    out.mkdir()
+    script = 'mount -t tmpfs -o size=2m tmpfs "$0" && "$@"; rc=$?; cp -r "$0" "$0/../left"; exit $rc'
+    proc = run(["unshare", "-m", "sh", "-c", script, out, sys.executable, RECIPE,
+                *recipe_args(tiny, out, "--max_steps", "4", "--save_steps", "1")], expect_rc=2)
+    error = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        f"error: writing the checkpoint {out}/checkpoint-2.tmp failed \\(rank 0: .+\\), with [0-9.]+ MiB free on the "
+        f"file system of {out}: make room \\(or lower --save_total_limit\\), then resume with "
+        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", error), error
+    left = tmp_path / "left"
+    assert (left / "latest").read_text() == "checkpoint-1"
+    assert validate_checkpoint(str(left / "checkpoint-1"))["step"] == 1
+
+
+def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
+    """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
+    crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
+    recorded, and still called)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    monkeypatch.undo()
+    tmp, final = tmp_path / "checkpoint-2.tmp", tmp_path / "checkpoint-2"
+    renamed = events.index(("replace", str(tmp), str(final)))
+    latest = events.index(("replace", f"{tmp_path}/latest.tmp", f"{tmp_path}/latest"))
+    synced_before = {path for _, path in events[:renamed]}
+    written = {str(p) for p in tmp_path.glob("checkpoint-2/**/*")}
+    # DCP syncs its .metadata as .metadata.tmp, which it renames in the folder synced after it.
+    synced_before = {path.replace(str(tmp), str(final)).replace(".metadata.tmp", ".metadata") for path in synced_before}
+    assert synced_before >= written | {str(final)}, written - synced_before
+    assert ("fsync", str(tmp_path)) in events[renamed:latest] and ("fsync", f"{tmp_path}/latest.tmp") in events
+    assert events[latest + 1] == ("fsync", str(tmp_path))
+    assert (tmp_path / "latest").read_text() == "checkpoint-2"
+
+
 def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
     # A resume from checkpoint-2 left checkpoint-6 of the earlier run behind; the new checkpoint-4 is `latest`.
     for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"]:
@@ -159,6 +217,16 @@ def test_resume_mid_epoch_gives_equal_losses_optimizer_and_weights(tiny, referen
     assert sorted(os.listdir(tmp_path / "converted")) == sorted(os.listdir(reference / "final"))
 
 
+def scheduled_lr(step: int, total_steps: int) -> float:
+    """The LR an uninterrupted run of total_steps trains step + 1 with (recipe_args' LR, cosine, no warm-up)."""
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=1e-2)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=total_steps)
+    for _ in range(step):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
 @pytest.mark.parametrize("fsdp_version, saved_by, loaded_by", [(2, 2, 1), (2, 1, 2), (1, 2, 1)])
 def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_path, fsdp_version, saved_by,
                                                           loaded_by):
@@ -177,13 +245,17 @@ def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_
     saved_optim = dcp_contents(checkpoint / "optimizer", tmp_path)
     assert_same_weights(loaded["model"], saved_model)
     assert_same_optimizer_state(loaded["optimizer"]["state"], saved_optim["state"])
-    assert loaded["optimizer"]["param_groups"] == saved_optim["param_groups"]
+    # All but the LR, which follows the loader's schedule (below).
+    assert ([{k: v for k, v in group.items() if k != "lr"} for group in loaded["optimizer"]["param_groups"]]
+            == [{k: v for k, v in group.items() if k != "lr"} for group in saved_optim["param_groups"]])
     # Weight decay on the matrices, none on the norm weights (FSDP1's sharded parameters are all 1-D views).
     decay, no_decay = saved_optim["param_groups"]
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert {saved_model[name].ndim for name in decay["params"]} == {2}
     assert {saved_model[name].ndim for name in no_decay["params"]} == {1}
-    assert loaded["lr"] == [json.loads((checkpoint / "trainer_state.json").read_text())["scheduler"]["_last_lr"][0]] * 2
+    # The LRs of the next step follow the loader's schedule (6 steps), also from the 2-step run's checkpoint.
+    step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
+    assert loaded["lr"] == loaded["group_lr"] == [scheduled_lr(step, total_steps=6)] * 2
 
 
 @pytest.mark.parametrize("mode, fmt", [("after_checkpoint", "full"), ("during_save", "sharded")])
@@ -262,7 +334,7 @@ def test_resume_into_a_different_model_is_refused_before_writing(tiny, reference
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {checkpoint} was saved from a different model config (tie_word_embeddings: "
                            f"checkpoint True, model False")
-    assert not (tmp_path / "out").exists()
+    assert os.listdir(tmp_path / "out") == []  # created (and checked for every rank) at start, nothing written
     assert snapshot(reference) == before
 
 
@@ -376,6 +448,45 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
+    real, link = tmp_path / "real", tmp_path / "link"
+    (real / "checkpoint-4").mkdir(parents=True)
+    (real / "latest").write_text("checkpoint-4")
+    link.symlink_to(real)
+    for out, checkpoint in [(link, real / "checkpoint-4"), (real, link / "checkpoint-4")]:
+        prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint)))
+        # overwrite_output_dir would remove the checkpoint being resumed.
+        with pytest.raises(ConfigError, match="resumes from one of them: pass only one of the two"):
+            prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint), "--overwrite_output_dir",
+                                      "true"))
+    assert sorted(os.listdir(real)) == ["checkpoint-4", "latest"]
+
+
+def test_every_rank_must_see_the_same_output_dir(tmp_path):
+    # Per-node disks, simulated with an output_dir of each rank's own: refused on every rank, and `auto` resolves
+    # to the checkpoint rank 0 reads on every rank.
+    torchrun("tests/drivers/ckpt_shared_dir.py", tmp_path)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert result["shared"] is None and result["shared_files"] == []  # the marker file is removed again
+        assert result["per_node"] == (
+            f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 finds no file "
+            f"where rank 0 wrote one (FileNotFoundError)): put it on a shared file system")
+        assert result["resume_auto"] == (
+            f"{tmp_path}/node0/checkpoint-2 is not a checkpoint: it has no trainer_state.json (expected a "
+            f"checkpoint-<step> folder written by this project)")
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_process_group):
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(ConfigError) as error:
+        prepare_output_dir(config(tmp_path / "a_file" / "out"))
+    assert str(error.value) == (
+        f"output_dir {tmp_path}/a_file/out cannot be created or written (NotADirectoryError: [Errno 20] Not a "
+        f"directory: '{tmp_path}/a_file/out'): choose an output_dir this user can write, on a file system that "
+        f"every rank sees")
+
+
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
     (tmp_path / "final").mkdir()
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
@@ -451,6 +562,46 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
             f"tokenizer (--tokenizer_name_or_path {checkpoint}), or start a fresh run")
 
 
+def test_resume_with_training_data_changed_in_place_is_refused(tiny, reference, tmp_path, one_process_group):
+    checkpoint = reference / "checkpoint-6"
+    cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4", "--max_steps", "8")
+    # Recorded by the run's process, equal in this one: a resume with the same data goes ahead.
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["train_data"] == training_data_identity(data)
+    rows = [json.loads(line) for line in tiny["data"].read_text().splitlines()]
+    edited = json.loads(json.dumps(rows))
+    edited[100]["messages"][-1]["content"] += " Also."
+
+    def built(name: str, examples: list[dict]):
+        """`examples` tokenized as this run does, standing for the run's dataset_name with another content."""
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+        return build_datasets(dataclasses.replace(cfg, dataset_name=str(path)), tokenizer)[0]
+
+    for changed, what in [(built("edited.jsonl", edited), "the same 256 rows, but other tokens"),
+                          (built("shorter.jsonl", rows[:240]), "it had 256 rows after tokenization, now 240")]:
+        with pytest.raises(CheckpointError) as error:
+            resolve_resume(cfg, model, tokenizer, changed)
+        assert str(error.value).startswith(
+            f"{checkpoint} was saved by a run whose training data differ from this run's {tiny['data']} ({what}")
+        assert str(error.value).endswith(
+            "): a resume continues at step 6 of that data's order, so resume with the data the checkpoint was trained "
+            "on, or start a fresh run (without --resume_from_checkpoint)")
+    # A data file copied or touched with the same content keeps its identity (not the datasets fingerprint).
+    copy = built("copy.jsonl", rows)
+    os.utime(tmp_path / "copy.jsonl", (1e9, 1e9))
+    touched = build_datasets(dataclasses.replace(cfg, dataset_name=str(tmp_path / "copy.jsonl")), tokenizer)[0]
+    assert touched._fingerprint != copy._fingerprint
+    assert training_data_identity(touched) == training_data_identity(copy) == training_data_identity(data)
+    # A checkpoint written before the record was kept resumes (nothing to compare with).
+    shutil.copytree(checkpoint, tmp_path / "older")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["train_data"]
+    (tmp_path / "older" / "trainer_state.json").write_text(json.dumps(state))
+    older = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "older"))
+    assert resolve_resume(older, model, tokenizer, built("edited_again.jsonl", edited)) == str(tmp_path / "older")
+
+
 def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_data(tiny, reference, tmp_path):
     # From 2 ranks x 4 x 2 to 1 rank x 4 x 4: each step trains on the same 16 examples as the uninterrupted run.
     resumed = run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path, "--gradient_accumulation_steps", "4",
@@ -501,6 +652,19 @@ def test_resume_with_dropout_gives_bit_equal_losses(dropout_run, tmp_path):
     uninterrupted = losses(dropout_run["out"])
     assert losses(tmp_path) == {3: uninterrupted[3], 4: uninterrupted[4]}
     assert_same_weights(final_weights(tmp_path), final_weights(dropout_run["out"]))
+
+
+def test_resume_into_a_longer_run_follows_its_schedule(dropout_run, reference, tmp_path):
+    # From the end of the 4-step run (cosine: LR 0 next) to 6 steps: steps 5 and 6 train with the LRs of the
+    # uninterrupted 6-step run, not with the 4-step schedule's.
+    resumed = run([sys.executable, RECIPE, *dropout_run["args"][:-2], "--max_steps", "6", "--output_dir", tmp_path,
+                   "--resume_from_checkpoint", dropout_run["out"] / "checkpoint-4"])
+    assert "the LR schedule follows the new total from step 4" in resumed.stdout
+    learning_rates = {m["step"]: m["learning_rate"] for m in read_metrics(tmp_path / "metrics.jsonl")}
+    uninterrupted = {m["step"]: m["learning_rate"] for m in read_metrics(reference / "metrics.jsonl")}
+    assert learning_rates == {step: uninterrupted[step] for step in (5, 6)}
+    assert learning_rates == {step: scheduled_lr(step - 1, total_steps=6) for step in (5, 6)}
+    assert learning_rates[5] > 0
 
 
 def test_weights_load_memory_per_rank_and_engine(tmp_path):

@@ -33,4 +33,5 @@ with distributed() as env:
     model_sd = get_model_state_dict(model, options=full)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
     if env.is_main:
-        torch.save({"model": model_sd, "optimizer": optim_sd, "lr": scheduler.get_last_lr()}, out)
+        torch.save({"model": model_sd, "optimizer": optim_sd, "lr": scheduler.get_last_lr(),
+                    "group_lr": [group["lr"] for group in optimizer.param_groups]}, out)
