@@ -55,6 +55,9 @@ def _to_messages(example: dict, fmt: str) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
 
 
+_STAND_IN = "\x00"  # content no real message holds, to find where a template puts a message's content
+
+
 def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
     """The example as one string, and the character spans of the assistant turns or the completion."""
     bos = tokenizer.bos_token or ""  # chat templates add their own BOS; plain text gets it here
@@ -74,8 +77,9 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         turn = render(messages[: i + 1], False)
         if i:
             prompt = render(messages[:i], True)
-        else:  # no conversation renders empty: an opening assistant turn starts where its content does
-            prompt = turn[: turn.find(message["content"].strip())] if message["content"].strip() in turn else None
+        else:  # no conversation renders empty: an opening assistant turn starts where a stand-in content does
+            header = render([{**message, "content": _STAND_IN}], False)
+            prompt = header[: header.index(_STAND_IN)] if _STAND_IN in header else None
         if prompt is None or not text.startswith(prompt):
             located = False
         elif text.startswith(turn):

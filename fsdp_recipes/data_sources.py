@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import math
@@ -10,6 +9,7 @@ import os
 from typing import Callable, Optional
 
 import datasets
+import pandas
 
 from .config import ConfigError
 
@@ -76,6 +76,8 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
             if "Config name is missing" in str(error):  # datasets' words list the configs that exist
                 configs = next((line for line in str(error).splitlines() if "available configs" in line), "")
                 raise ConfigError(f"{name} holds several configs: set dataset_config_name. {configs}") from None
+            if "BuilderConfig" in str(error) and "not found" in str(error):  # names the configs that exist
+                raise ConfigError(f"{name}: dataset_config_name {config_name}: {error}") from None
             if "Unknown split" not in str(error):
                 raise
             raise ConfigError(f"{name}: {error}") from None  # datasets' words list the splits that exist
@@ -120,18 +122,21 @@ def _load_file(name: str) -> datasets.Dataset:
         raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
     if os.path.getsize(name) == 0:
         raise ConfigError(f"{name} is empty: it holds no examples")
-    options = {}
-    if builder == "csv":  # every cell is text: pandas would read '7' as a number, 'None' and 'NA' as missing
-        with open(name, newline="") as f:
-            header = next(csv.reader(f), [])
-        options = {"features": datasets.Features({column: datasets.Value("string") for column in header}),
-                   "na_filter": False}
     try:
+        options = _csv_as_text(name) if builder == "csv" else {}
         return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
     except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
         if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
             raise ConfigError(f"{name} holds no examples") from None
         raise _parse_error(name, error) from error
+
+
+def _csv_as_text(name: str) -> dict:
+    """load_dataset options that read every cell as text: pandas would read '007' as the number 7, and 'None' or
+    'NA' as missing. The columns are named by pandas itself ('Unnamed: 0' for an index column, 'x.1' for a second
+    'x'), as the rows are then read."""
+    header = pandas.read_csv(name, nrows=0).columns
+    return {"features": datasets.Features({column: datasets.Value("string") for column in header}), "na_filter": False}
 
 
 def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
@@ -197,10 +202,15 @@ def load_sources(names: list[str], config_name: Optional[str], split: str, eval_
         held_out = load_split(name, config_name, eval_split) if eval_split else None
         sources.append((train, held_out))
     for name, (train, _) in zip(names, sources):
-        for source, target in column_mapping.items():
-            if source in train.column_names and target in train.column_names and target not in column_mapping:
+        present = {source: target for source, target in column_mapping.items() if source in train.column_names}
+        for source, target in present.items():
+            if target in train.column_names and target not in column_mapping:
                 raise ConfigError(f"dataset_column_mapping renames '{source}' to '{target}', but {name} already has "
                                   f"a column '{target}': rename that one too (e.g. {target}=old_{target})")
+            others = [other for other, other_target in present.items() if other_target == target and other != source]
+            if others:
+                raise ConfigError(f"dataset_column_mapping renames both '{source}' and '{others[0]}' of {name} to "
+                                  f"'{target}': map only one of them")
     found = sorted({c for train, _ in sources for c in train.column_names})
     for source in column_mapping:
         if source not in found:

@@ -340,6 +340,13 @@ def test_a_conversation_that_opens_with_the_assistant_carries_loss_on_that_turn(
     out = tokenize_example(chat, "chat", TOKENIZER, 64)
     assert TOKENIZER.decode(out["input_ids"]) == "<|assistant|>hi<|end|><|user|>ab<|end|><|assistant|>ba<|end|>"
     assert loss_tokens(out) == ["h", "i", "<|end|>", "b", "a", "<|end|>"]
+    # The turn starts after the template's own text, which may hold the content's words (Llama 3's date header).
+    tokenizer = char_tokenizer(LLAMA32_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                               ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    for content in ["Dec", ""]:
+        text, spans = render_with_loss_spans({"messages": [{"role": "assistant", "content": content}]}, "chat",
+                                             tokenizer)
+        assert [text[s:e] for s, e in spans] == [f"{content}<|eot_id|>"]
 
 
 def test_truncation_keeps_the_first_tokens():
@@ -448,6 +455,11 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
     assert list(load_split(str(tmp_path / "d.csv"), None, "train")) == [
         {"prompt": "what is 7? ", "completion": "007"}, {"prompt": "say none", "completion": "None"},
         {"prompt": "say na", "completion": "NA"}]
+    # As pandas writes and reads them: an index column, Excel's byte-order mark, a blank first line.
+    for header in [",prompt,completion\n0,", "\ufeffprompt,completion\n", "\nprompt,completion\n"]:
+        (tmp_path / "e.csv").write_text(header + "a,7\n", encoding="utf-8")
+        assert list(load_split(str(tmp_path / "e.csv"), None, "train"))[0] | {"Unnamed: 0": "0"} == {
+            "Unnamed: 0": "0", "prompt": "a", "completion": "7"}
 
 
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
@@ -537,6 +549,7 @@ def bad_input_cases(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    (tmp_path / "latin1.csv").write_bytes("prompt,completion\ncaf\u00e9,x\n".encode("latin-1"))
     write_multi_config_copy(tmp_path / "copy")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
@@ -572,6 +585,11 @@ def bad_input_cases(tmp_path):
          r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
         (cfg(tmp_path / "copy"), r"copy holds several configs: set dataset_config_name\. .*\['main', 'socratic'\]"),
         (cfg("data/chats"), r"dataset_name data/chats: no such file or folder in .*, and the Hub cannot be reached"),
+        (cfg(tmp_path / "copy", dataset_config_name="de"), r"copy: dataset_config_name de: BuilderConfig 'de' not "
+                                                           r"found. Available: \['main', 'socratic'\]"),
+        (cfg(tmp_path / "latin1.csv"), r"cannot parse .*latin1.csv, 'utf-8' codec can't decode"),
+        (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=text,prompt=text"),
+         r"renames both 'question' and 'prompt' of .*both.jsonl to 'text': map only one of them"),
     ]
 
 
