@@ -16,6 +16,8 @@ checkpoint complete and `latest` pointing at it.
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import json
 import os
@@ -48,7 +50,8 @@ from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
-from .export import INDEX_NAME, replace_dir, tied_parameter_names, write_full_weights, write_model_files
+from .export import (INDEX_NAME, gather_full_state_dict, replace_dir, tied_parameter_names,
+                     write_gathered_weights, write_model_files)
 from .schedule import count_total_steps
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 
@@ -316,7 +319,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
     if any(saved != now for saved, now in length.values()):
         print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
-                    f": the LR schedule follows the new total from step {state['step']}")
+                    f": the LR schedule (and a warm-up given as a fraction of the run) follows the new total from "
+                    f"step {state['step']}")
     differ = training_config_differences(state, cfg, dist.get_world_size())
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
@@ -486,17 +490,6 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
             os.makedirs(os.path.join(tmp, "rng"))
 
-    def write_model():
-        if fmt == "sharded":
-            dcp.save(sharded_model_state_dict(model), checkpoint_id=os.path.join(tmp, "model"))
-        else:
-            # fp32 master weights, so that a resume is exact; final/ is written in save_dtype.
-            write_full_weights(model, tmp, torch.float32, cfg.max_shard_size, original_layout=False)
-
-    def write_optimizer():
-        dcp.save(get_optimizer_state_dict(model, optimizer, options=save_options(model)),
-                 checkpoint_id=os.path.join(tmp, "optimizer"))
-
     def write_own_files():
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         _fsync(os.path.join(tmp, "rng", f"rank_{rank}.pt"))  # each rank its own: another client's fsync may not
@@ -513,27 +506,43 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
                 if os.path.isfile(os.path.join(tmp, name)):
                     _fsync(os.path.join(tmp, name))
 
-    # One part at a time, each ending when every rank has done it: the parts hold collectives (DCP's, the full
-    # weights' gather), which a rank that failed alone would leave the others waiting in.
-    for write in (make_folder, write_model, write_optimizer, write_own_files):
-        _write_on_every_rank(write, tmp, cfg.output_dir)
+    def finish():
+        # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
+        # after a save could otherwise leave `latest` naming a folder of empty files.
+        if rank == 0:
+            for folder in [os.path.join(tmp, name) for name in ("rng", "model", "optimizer")] + [tmp]:
+                if os.path.isdir(folder):  # model/ is the sharded format's
+                    _fsync(folder)  # its entries: the names of the files in it
+            replace_dir(tmp, final)
+            _fsync(cfg.output_dir)  # the rename
+            latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")
+            with open(latest_tmp, "w") as f:
+                f.write(os.path.basename(final))
+            _fsync(latest_tmp)
+            os.replace(latest_tmp, os.path.join(cfg.output_dir, LATEST_NAME))
+            _fsync(cfg.output_dir)
+            _apply_retention(cfg, step)
 
-    # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
-    # after a save could otherwise leave `latest` naming a folder of empty files.
-    if rank == 0:
-        for folder in [os.path.join(tmp, name) for name in ("rng", "model", "optimizer")] + [tmp]:
-            if os.path.isdir(folder):  # model/ is the sharded format's
-                _fsync(folder)  # its entries: the names of the files in it
-        replace_dir(tmp, final)
-        _fsync(cfg.output_dir)  # the rename
-        latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(os.path.basename(final))
-        _fsync(latest_tmp)
-        os.replace(latest_tmp, os.path.join(cfg.output_dir, LATEST_NAME))
-        _fsync(cfg.output_dir)
-        _apply_retention(cfg, step)
-    dist.barrier()
+    # One part at a time, each ending when every rank has done it, so that a rank that fails alone stops them all.
+    # The gathers run outside the guarded parts, on every rank: a rank that failed in the middle of one (out of
+    # memory) would go on to the failure check while the others wait in the gather's next collective. DCP reports
+    # its own write failures on every rank.
+    _write_on_every_rank(make_folder, tmp, cfg.output_dir)
+    if fmt == "sharded":
+        write_model = functools.partial(dcp.save, sharded_model_state_dict(model),
+                                        checkpoint_id=os.path.join(tmp, "model"))
+    else:  # fp32 master weights, so that a resume is exact; final/ is written in save_dtype
+        write_model = functools.partial(write_gathered_weights, model, gather_full_state_dict(model), tmp,
+                                        torch.float32, cfg.max_shard_size, original_layout=False)
+    _write_on_every_rank(write_model, tmp, cfg.output_dir)
+    del write_model  # and with it the model's state dict
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=save_options(model))
+    write_optimizer = functools.partial(dcp.save, optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
+    del optimizer_state
+    _write_on_every_rank(write_optimizer, tmp, cfg.output_dir)
+    del write_optimizer
+    _write_on_every_rank(write_own_files, tmp, cfg.output_dir)
+    _write_on_every_rank(finish, tmp, cfg.output_dir)
     print_rank0(f"saved {final} ({fmt})")
     return final
 
@@ -543,6 +552,10 @@ def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        # Some file systems (SMB, some FUSE and Ceph mounts) cannot sync a folder; they keep its entries themselves.
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)):
+            raise
     finally:
         os.close(fd)
 

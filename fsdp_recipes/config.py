@@ -241,17 +241,17 @@ class TrainConfig:
             raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
 
     def num_warmup_steps(self, total_steps: int) -> int:
-        """warmup_steps in steps of a run of total_steps. A warm-up as long as the run is refused: the learning rate
-        would never reach learning_rate, nor decay."""
-        steps = int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(self.warmup_steps * total_steps)
-        if steps >= total_steps:
-            rounded = "" if self.warmup_steps >= 1 else f" (of {total_steps} steps, rounded up: {steps})"
+        """warmup_steps in steps of a run of total_steps. A fraction is rounded up, and ends a step before the run
+        does (a 1-step smoke test trains at learning_rate); a number of steps as long as the run is refused: the
+        learning rate would never reach learning_rate, nor decay."""
+        if self.warmup_steps < 1:
+            return min(math.ceil(self.warmup_steps * total_steps), total_steps - 1)
+        if self.warmup_steps >= total_steps:
             raise ConfigError(
-                f"warmup_steps {self.warmup_steps:g}{rounded} covers the whole run of {total_steps} steps: the "
-                f"learning rate would never reach learning_rate {self.learning_rate:g}, nor decay. Lower "
-                f"warmup_steps (steps below {total_steps}, or a fraction of the run such as 0.03) or train longer "
-                f"(max_steps, num_train_epochs)")
-        return steps
+                f"warmup_steps {self.warmup_steps:g} covers the whole run of {total_steps} steps: the learning rate "
+                f"would never reach learning_rate {self.learning_rate:g}, nor decay. Lower warmup_steps (steps below "
+                f"{total_steps}, or a fraction of the run such as 0.03) or train longer (max_steps, num_train_epochs)")
+        return int(self.warmup_steps)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

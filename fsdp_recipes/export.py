@@ -169,7 +169,12 @@ def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_s
                        original_layout: bool) -> None:
     """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`: in the original
     layout for an HF folder, in the model's own (what load_state_dict takes) for a training checkpoint."""
-    state_dict = gather_full_state_dict(model)
+    write_gathered_weights(model, gather_full_state_dict(model), out_dir, dtype, max_shard_size, original_layout)
+
+
+def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype,
+                           max_shard_size, original_layout: bool) -> None:
+    """Rank 0 writes gather_full_state_dict's `state_dict` (emptied as it goes) into `out_dir`; no collective."""
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)

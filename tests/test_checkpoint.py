@@ -6,6 +6,7 @@ world-size tests also FSDP1's.
 """
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -151,6 +152,36 @@ def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
     left = tmp_path / "left"
     assert (left / "latest").read_text() == "checkpoint-1"
     assert validate_checkpoint(str(left / "checkpoint-1"))["step"] == 1
+
+
+def test_a_rank_out_of_memory_in_the_weight_gather_stops_with_that_error(tiny, tmp_path):
+    # The failure check of a save's parts is a collective: a rank that failed inside the gather must not reach it
+    # while the other waits in the gather's next all-gather (gloo: "collective mismatch"; NCCL: a hang).
+    proc = torchrun("tests/drivers/ckpt_oom_gather.py", RECIPE,
+                    *recipe_args(tiny, tmp_path, "--max_steps", "1", "--save_steps", "1",
+                                 "--save_state_dict_type", "full"), expect_rc=1)
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (simulated)" in proc.stderr
+    assert "mismatch" not in proc.stderr and not (tmp_path / "checkpoint-1").exists()
+
+
+def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one_process_group, monkeypatch):
+    """SMB and some FUSE and Ceph mounts refuse to fsync a folder (EINVAL); they keep its entries themselves."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    fsync = os.fsync
+
+    def fsync_files_only(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_files_only)
+    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "checkpoint-2"
+    assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
 
 
 def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
@@ -659,7 +690,8 @@ def test_resume_into_a_longer_run_follows_its_schedule(dropout_run, reference, t
     # uninterrupted 6-step run, not with the 4-step schedule's.
     resumed = run([sys.executable, RECIPE, *dropout_run["args"][:-2], "--max_steps", "6", "--output_dir", tmp_path,
                    "--resume_from_checkpoint", dropout_run["out"] / "checkpoint-4"])
-    assert "the LR schedule follows the new total from step 4" in resumed.stdout
+    assert "the LR schedule (and a warm-up given as a fraction of the run) follows the new total from step 4" in (
+        resumed.stdout)
     learning_rates = {m["step"]: m["learning_rate"] for m in read_metrics(tmp_path / "metrics.jsonl")}
     uninterrupted = {m["step"]: m["learning_rate"] for m in read_metrics(reference / "metrics.jsonl")}
     assert learning_rates == {step: uninterrupted[step] for step in (5, 6)}
