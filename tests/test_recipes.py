@@ -156,10 +156,8 @@ def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
         assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
 
 
-def test_router_aux_loss_is_weighted_as_the_models_own_loss():
-    """Two micro-batches with equal label counts: the gradient is that of the mean of the model's own per-micro-batch
-    loss (mean cross-entropy + coef x aux_loss), and differs without the router loss. HF's Trainer weights the router
-    loss more: tests/test_router_loss.py."""
+def tiny_moe_step():
+    """A tiny Qwen3-MoE with its router loss on, and an optimizer step of two micro-batches of equal label counts."""
     config = Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                             output_router_logits=True, router_aux_loss_coef=0.1)
     torch.manual_seed(0)
@@ -168,20 +166,27 @@ def test_router_aux_loss_is_weighted_as_the_models_own_loss():
     micro_batches = [{"input_ids": ids[i:i + 2], "attention_mask": torch.ones_like(ids[i:i + 2]),
                       "labels": ids[i:i + 2]} for i in (0, 2)]
     label_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    return model, micro_batches, label_tokens
 
-    def grads():
-        result = {name: p.grad.clone() for name, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        return result
 
+def take_grads(model) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_router_aux_loss_is_weighted_as_the_models_own_loss():
+    """The gradient is that of the mean of the model's own per-micro-batch loss (mean cross-entropy + coef x
+    aux_loss), and differs without the router loss."""
+    model, micro_batches, label_tokens = tiny_moe_step()
     _, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))
-    ours = grads()
+    ours = take_grads(model)
     hf_aux = 0.0
     for mb in micro_batches:
         outputs = model(**mb)
         (outputs.loss / len(micro_batches)).backward()
         hf_aux += outputs.aux_loss.item()
-    reference = grads()
+    reference = take_grads(model)
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
     assert aux_loss_sum.item() == pytest.approx(hf_aux, rel=1e-6)
@@ -189,7 +194,31 @@ def test_router_aux_loss_is_weighted_as_the_models_own_loss():
     model.config.output_router_logits = False
     assert forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))[1] is None
     router = "model.layers.0.mlp.gate.weight"
-    assert (grads()[router] - ours[router]).abs().max() > 1e-4
+    assert (take_grads(model)[router] - ours[router]).abs().max() > 1e-4
+
+
+def test_hf_trainer_weights_the_router_loss_gradient_accumulation_steps_times_more(tmp_path):
+    """The README's claim about HF's Trainer, checked against transformers' own Trainer (x world size too, which
+    one process cannot show)."""
+    from transformers import Trainer, TrainingArguments  # slow to import, and only this test uses it
+
+    model, micro_batches, label_tokens = tiny_moe_step()
+    # One optimizer step of HF's Trainer: 2 micro-batches, each with the step's label count, as its loop passes it.
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             report_to="none", use_cpu=True)
+    trainer = Trainer(model=model, args=args)
+    for mb in micro_batches:
+        trainer.training_step(model, dict(mb), num_items_in_batch=torch.tensor(label_tokens))
+    hf = take_grads(model)
+
+    router = "model.layers.0.mlp.gate.weight"
+    forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))
+    assert not torch.allclose(take_grads(model)[router], hf[router], rtol=1e-3)  # the same coefficient: another
+    model.config.router_aux_loss_coef = 0.1 * 2  # x gradient_accumulation_steps
+    forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))
+    ours = take_grads(model)
+    for name in ours:
+        torch.testing.assert_close(ours[name], hf[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_recipes_share_every_line_but_their_own():
