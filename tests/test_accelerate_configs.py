@@ -96,9 +96,9 @@ def test_checkpoints_are_sharded(name):
     assert launched_env(name)["FSDP_STATE_DICT_TYPE"] == "SHARDED_STATE_DICT"
 
 
-def launched_env(name: str) -> dict[str, str]:
-    """The environment `accelerate launch --config_file <name>` gives each process of node 0, made by accelerate's
-    own launcher code (`accelerate launch` runs the same functions, then torchrun adds WORLD_SIZE and
+def launched_env(name) -> dict[str, str]:
+    """The environment `accelerate launch --config_file <name>` (a shipped config, or a path) gives each process of
+    node 0, made by accelerate's own launcher code (`accelerate launch` runs the same functions, then torchrun adds WORLD_SIZE and
     LOCAL_WORLD_SIZE)."""
     args = launch_command_parser().parse_args(["--config_file", str(REPO / "accelerate_configs" / name),
                                                "--main_process_port", "0", "recipes/llama_sft.py"])
@@ -141,3 +141,18 @@ def test_gpu_config_resolves_to_the_plan_its_yaml_describes(monkeypatch, name):
             model = shard_model(model, plan, torch.device("cpu"))
         printed = describe_plan(model, plan)
     assert [line.strip() for line in printed.splitlines()] == expected
+
+
+def test_a_key_left_out_of_an_accelerate_config_takes_accelerates_default(monkeypatch, tmp_path):
+    # As the README's Sharding section says: accelerate exports its own defaults (FSDP1, fp32), which the recipe
+    # cannot tell from values set on purpose; the recipe config wins over them.
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp2.yaml").read_text())
+    del config["fsdp_config"]["fsdp_version"], config["mixed_precision"]
+    (tmp_path / "trimmed.yaml").write_text(yaml.safe_dump(config))
+    for key, value in launched_env(tmp_path / "trimmed.yaml").items():
+        monkeypatch.setenv(key, value)
+    plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    assert (plan.fsdp_version, plan.mixed_precision) == (1, "no")
+    plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "2",
+                                      "--mixed_precision", "bf16"]))
+    assert (plan.fsdp_version, plan.mixed_precision) == (2, "bf16")
