@@ -8,8 +8,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 DEMO_DIR ?= demo
-DEMO_ARGS ?=
-DEMO_MIN_ACCURACY ?= 0.9
 RECIPES_DIR ?= recipes
 
 .PHONY: demo test clean new-recipe
@@ -27,10 +25,9 @@ demo: $(STAMP)
 	$(BIN)/python -m fsdp_recipes.demo evaluate --model $(DEMO_DIR)/base_model --data $(DEMO_DIR)/eval.jsonl
 	$(BIN)/accelerate launch --config_file accelerate_configs/fsdp2_cpu.yaml --main_process_port 0 \
 		recipes/llama_sft.py --config recipes/configs/demo.yaml --model_name_or_path $(DEMO_DIR)/base_model \
-		--dataset_name $(DEMO_DIR)/train.jsonl --output_dir $(DEMO_DIR)/output --overwrite_output_dir true \
-		$(DEMO_ARGS)
+		--dataset_name $(DEMO_DIR)/train.jsonl --output_dir $(DEMO_DIR)/output --overwrite_output_dir true
 	$(BIN)/python -m fsdp_recipes.demo evaluate --model $(DEMO_DIR)/output/final --data $(DEMO_DIR)/eval.jsonl \
-		--min_accuracy $(DEMO_MIN_ACCURACY)
+		--min_accuracy 0.9
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 tests

@@ -4,13 +4,11 @@ import json
 import re
 import sys
 
-from transformers import AutoModelForCausalLM
-
 from conftest import read_metrics, run
 
 
-def make_demo(tmp_path, *args):
-    return run(["make", "demo", f"VENV={sys.prefix}", f"DEMO_DIR={tmp_path}", *args])
+def make_demo(tmp_path):
+    return run(["make", "demo", f"VENV={sys.prefix}", f"DEMO_DIR={tmp_path}"])
 
 
 def accuracy_of(stdout: str, model_dir) -> float:
@@ -19,16 +17,18 @@ def accuracy_of(stdout: str, model_dir) -> float:
     return float(match.group(1)) / 100
 
 
-def test_demo_at_reduced_size(tmp_path):
-    proc = make_demo(tmp_path, "DEMO_ARGS=--max_steps 40 --logging_steps 10", "DEMO_MIN_ACCURACY=0")
+def test_demo_learns_the_task_with_the_plan_metrics_and_files_it_promises(tmp_path):
+    """The demo as the README runs it; make fails unless held-out accuracy reaches 90%."""
+    proc = make_demo(tmp_path)
     layers = json.loads((tmp_path / "base_model" / "config.json").read_text())["num_hidden_layers"]
     assert f"wrapped: {layers} x LlamaDecoderLayer, then the root" in proc.stdout
     assert "precision: bf16 compute, fp32 master weights, fp32 gradient reduction" in proc.stdout
     assert "over 2 ranks" in proc.stdout
     assert accuracy_of(proc.stdout, tmp_path / "base_model") < 0.05
+    assert accuracy_of(proc.stdout, tmp_path / "output" / "final") >= 0.9
 
     metrics = read_metrics(tmp_path / "output" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [10, 20, 30, 40]
+    assert [m["step"] for m in metrics] == list(range(10, 401, 10))
     for m in metrics:
         assert {"step", "loss", "learning_rate", "grad_norm", "tokens", "tokens_per_second"} <= m.keys()
         assert m["tokens"] > 0 and m["tokens_per_second"] > 0 and m["grad_norm"] > 0
@@ -39,12 +39,3 @@ def test_demo_at_reduced_size(tmp_path):
                  "generation_config.json", "chat_template.jinja"]:
         assert (final / name).is_file(), name
     assert not (tmp_path / "output" / "final.tmp").exists()
-    model = AutoModelForCausalLM.from_pretrained(final)
-    assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def test_full_demo_learns_the_task(tmp_path):
-    """The demo as the README runs it; make fails unless held-out accuracy reaches 90%."""
-    proc = make_demo(tmp_path)
-    assert accuracy_of(proc.stdout, tmp_path / "base_model") < 0.05
-    assert accuracy_of(proc.stdout, tmp_path / "output" / "final") >= 0.9
