@@ -52,6 +52,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
 from .export import (INDEX_NAME, gather_full_state_dict, replace_dir, tied_parameter_names,
                      write_gathered_weights, write_model_files)
+from .plan import TRUE
 from .schedule import count_total_steps
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 
@@ -135,9 +136,9 @@ def resolve_state_dict_type(cfg: TrainConfig) -> str:
     """save_state_dict_type, else the accelerate config's fsdp_state_dict_type, else sharded."""
     if cfg.save_state_dict_type:
         return cfg.save_state_dict_type
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true", "yes"):
+    if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() not in TRUE:
         return "sharded"
-    accelerate_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")
+    accelerate_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").strip().upper()
     formats = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
     if accelerate_type not in formats:
         raise ConfigError(f"fsdp_state_dict_type {accelerate_type} is not supported: use FULL_STATE_DICT or "

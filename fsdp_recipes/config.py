@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ class TrainConfig:
         default=None, metadata={"help": "Tokenizer hub id or folder; defaults to model_name_or_path."}
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager or flash_attention_2."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager, flash_attention_2 or flex_attention."})
     output_router_logits: Optional[bool] = field(
         default=None,
         metadata={"help": "Mixture of experts: add the router load-balancing loss (x router_aux_loss_coef) to the "
@@ -125,7 +127,8 @@ class TrainConfig:
     )
     fsdp_cpu_ram_efficient_loading: Optional[bool] = field(
         default=None,
-        metadata={"help": "Only rank 0 reads the weights; the others start on the meta device. Default: false."},
+        metadata={"help": "Only rank 0 reads the weights; the others start on the meta device. Default: "
+                          "accelerate's (true when its config leaves it out), else false."},
     )
     mixed_precision: Optional[Literal["bf16", "no", "pure_bf16"]] = field(
         default=None,
@@ -185,7 +188,9 @@ class TrainConfig:
         metadata={"help": "Checkpoint format: sharded (DCP, each rank its shards) or full (rank 0 writes HF "
                           "safetensors). Default: the accelerate config's fsdp_state_dict_type, else sharded."},
     )
-    max_shard_size: str = field(default="5GB", metadata={"help": "Largest safetensors file of an HF folder."})
+    max_shard_size: str = field(
+        default="5GB", metadata={"help": "Largest safetensors file of an HF folder, e.g. 5GB, 500MB or 4GiB."}
+    )
     report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "none or wandb (rank 0 logs)."})
     run_name: Optional[str] = field(default=None, metadata={"help": "W&B run name."})
     wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
@@ -200,7 +205,16 @@ class TrainConfig:
     )
 
     def __post_init__(self):
+        if str(self.resume_from_checkpoint).lower() == "true":
+            raise ConfigError("resume_from_checkpoint true: set it to auto (the newest checkpoint in output_dir) or "
+                              "to a checkpoint folder")
         check_field_types(self)
+        # As TrainingArguments does: YAML and `--key=~/x` leave the home folder unexpanded.
+        for name in ("model_name_or_path", "tokenizer_name_or_path", "output_dir", "resume_from_checkpoint"):
+            if getattr(self, name):
+                setattr(self, name, os.path.expanduser(getattr(self, name)))
+        if self.dataset_name:
+            self.dataset_name = ",".join(os.path.expanduser(n.strip()) for n in self.dataset_name.split(","))
         required = {"model_name_or_path": self.model_name_or_path, "dataset_name": self.dataset_name}
         for name, value in required.items():
             if not value:
@@ -237,6 +251,17 @@ class TrainConfig:
         if not (0 <= self.warmup_steps < 1 or float(self.warmup_steps).is_integer() and self.warmup_steps > 0):
             raise ConfigError(f"warmup_steps must be a whole number of steps, or a fraction in [0, 1) of the run's "
                               f"steps, got {self.warmup_steps}")
+        if not 0 < self.learning_rate < math.inf:
+            raise ConfigError(f"learning_rate must be a positive number, got {self.learning_rate}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("adam_epsilon", "weight_decay", "max_grad_norm"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        shard_size_in_bytes(self.max_shard_size)
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
             raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
 
@@ -261,6 +286,20 @@ class ConfigError(ValueError):
     """A config value the user must change; the message says which and how."""
 
 
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def shard_size_in_bytes(size: str) -> int:
+    """`max_shard_size` in bytes: huggingface_hub's units (5GB: 10**9) and binary ones (4GiB: 2**30), as
+    transformers' `save_pretrained` takes both. Checked at start: a typo would otherwise fail at the export, after
+    the whole run."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]I?B)\s*", size, flags=re.IGNORECASE)
+    if not match or float(match.group(1)) * SIZE_UNITS[match.group(2).upper()] < 1:
+        raise ConfigError(f"max_shard_size must be a positive size such as 5GB, 500MB or 4GiB, got {size!r}")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
 def check_field_types(cfg) -> None:
     """Every field against its annotation. argparse checks only the command line: a YAML value reaches the config
     as written, and a typo there (`save_dtype: bf16`) would otherwise fail hours later, or silently change a run."""
@@ -268,7 +307,8 @@ def check_field_types(cfg) -> None:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if not _matches(value, hints[f.name]):
-            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+            null = " (YAML reads ~ and an empty value as null)" if value is None else ""
+            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{null}")
 
 
 def _matches(value, annotation) -> bool:
@@ -305,31 +345,89 @@ def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
     return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys.")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key set twice: YAML keeps the last one, so an edit at the bottom of a copied recipe
+    would be silently overridden, or silently override."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(problem=f"key '{key}' is set twice",
+                                                        problem_mark=key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def integer(text) -> int:
+    """An int field's value: whole numbers in any notation (accelerate writes 1e8 for fsdp_min_num_params)."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+        if not value.is_integer():
+            raise
+        return int(value)
+
+
+def _raise_config_error(source: str):
+    def error(message: str):
+        raise ConfigError(f"{source}: {message}")
+    return error
+
+
+def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
+    field_names = [f.name for f in dataclasses.fields(config_cls)]
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except OSError as error:
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text: {error.reason} at byte {error.start}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from error
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(values).__name__}")
+    actions = {action.dest: action for action in parser._actions}
+    for key, value in values.items():
+        if key not in field_names:
+            raise _unknown_key_error(key, path, field_names)
+        # argparse converts string defaults itself, but blames a bad one on a command-line flag nobody passed.
+        convert = actions[key].type
+        if convert is integer and isinstance(value, float) and value.is_integer():
+            values[key] = int(value)
+        elif isinstance(value, str) and convert not in (None, str):
+            try:
+                values[key] = convert(value)
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                raise ConfigError(f"{key} in {path} must be {_describe(typing.get_type_hints(config_cls)[key])}, "
+                                  f"got {value!r}") from None
+    return values
+
+
 def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--config")
+    pre.error = _raise_config_error("the command line")
+    pre.add_argument("--config", action="append")
     known, rest = pre.parse_known_args(argv)
+    if known.config and len(known.config) > 1:
+        raise ConfigError(f"--config is given {len(known.config)} times ({', '.join(known.config)}): pass one YAML, "
+                          f"and override its keys with --key value")
 
     # No abbreviations: --max_step must not silently mean --max_steps.
     parser = HfArgumentParser(config_cls, allow_abbrev=False)
+    parser.error = _raise_config_error("the command line")
     parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
+    for action in parser._actions:
+        if action.type is int:
+            action.type = integer
     field_names = [f.name for f in dataclasses.fields(config_cls)]
     if known.config:
-        try:
-            with open(known.config) as f:
-                values = yaml.safe_load(f) or {}
-        except OSError as error:
-            raise ConfigError(f"cannot read --config {known.config}: {error.strerror}") from error
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{known.config} is not valid YAML: {' '.join(str(error).split())}") from error
-        if not isinstance(values, dict):
-            raise ConfigError(f"{known.config} must hold a mapping of config keys, got {type(values).__name__}")
-        for key in values:
-            if key not in field_names:
-                raise _unknown_key_error(key, known.config, field_names)
-        parser.set_defaults(**values)
+        parser.set_defaults(**_read_yaml(known.config[0], parser, config_cls))
 
     namespace, remaining = parser.parse_known_args(rest)
     for arg in remaining:

@@ -33,6 +33,7 @@ from transformers import AutoConfig
 from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read_dcp_metadata, safetensors_files,
                          validate_checkpoint)
 from .cli import run_main
+from .config import shard_size_in_bytes
 from .export import INDEX_NAME, original_layout_of, replace_dir, write_hf_weights
 from .flops import build_meta_model
 
@@ -40,6 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, max_shard_size="5GB") -> None:
+    shard_size_in_bytes(max_shard_size)
     state = validate_checkpoint(checkpoint)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
@@ -181,7 +183,7 @@ def main() -> None:
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder (sharded or full)")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (must not exist yet)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the written weights")
-    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB or 500MB")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB or 4GiB")
     args = parser.parse_args()
     keep_tensors_in_their_own_mappings()
     convert(args.checkpoint, args.out_dir, DTYPES[args.dtype], args.max_shard_size)

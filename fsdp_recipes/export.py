@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 
+from .config import shard_size_in_bytes
 from .data_formats import turn_closing_token_id
 from .sharding import compute_device, state_dict_name
 
@@ -56,7 +57,7 @@ def write_hf_weights(
     out_dir: str,
     shapes: dict[str, torch.Size],
     dtype: torch.dtype,
-    max_shard_size: int | str,
+    max_shard_size: str,
     load_tensor: Callable[[str], torch.Tensor],
 ) -> None:
     """Write the tensors named in `shapes`, cast to `dtype`, as safetensors files of at most `max_shard_size` each.
@@ -70,7 +71,7 @@ def write_hf_weights(
         raise RuntimeError("writing safetensors files needs a little-endian machine")
     # Meta tensors: the split needs only sizes, so planning costs no memory.
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()}
-    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=shard_size_in_bytes(max_shard_size))
     for filename, names in split.filename_to_tensors.items():
         with open(os.path.join(out_dir, filename), "wb") as f:
             f.write(_safetensors_header({name: shapes[name] for name in names}, dtype))

@@ -43,9 +43,23 @@ class ShardingPlan:
     total_params: int = 0
 
 
+TRUE, FALSE = ("y", "yes", "t", "true", "on", "1"), ("n", "no", "f", "false", "off", "0")
+
+
 def _env_bool(name: str) -> Optional[bool]:
+    """accelerate's truth values (its str_to_bool); anything else is an error, not a silent false."""
     value = os.environ.get(name)
-    return None if value is None else value.strip().lower() in ("1", "true", "yes")
+    if value is None:
+        return None
+    if value.strip().lower() not in TRUE + FALSE:
+        raise ConfigError(f"{name.lower().removeprefix('accelerate_')} must be true or false, got {value!r}")
+    return value.strip().lower() in TRUE
+
+
+def _env_name(name: str) -> Optional[str]:
+    """An enum setting (FULL_SHARD, SIZE_BASED_WRAP, ...), which accelerate takes in any case."""
+    value = os.environ.get(name)
+    return None if value is None else value.strip().upper()
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -61,7 +75,7 @@ def _env_reshard(name: str) -> bool | str | None:
         return None
     if value.strip().upper() in FSDP1_STRATEGIES:
         return value.strip().upper()
-    if value.strip().lower() not in ("1", "true", "yes", "0", "false", "no"):
+    if value.strip().lower() not in TRUE + FALSE:
         raise ConfigError(f"fsdp_reshard_after_forward must be true or false (FSDP2) or one of "
                           f"{', '.join(FSDP1_STRATEGIES)} (FSDP1), got {value}")
     return _env_bool(name)
@@ -109,6 +123,11 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if dynamo_backend.upper() != "NO":
         raise ConfigError(f"the accelerate config's dynamo_config (dynamo_backend {dynamo_backend}) is not applied: "
                           f"remove it, and set torch_compile true in the recipe config to compile each decoder layer")
+    for engine, config in (("DEEPSPEED", "fsdp2_offload.yaml for ZeRO-3 with offload"),
+                           ("MEGATRON_LM", "fsdp2.yaml")):
+        if _env_bool(f"ACCELERATE_USE_{engine}"):
+            raise ConfigError(f"the accelerate config uses {engine.replace('_', '-')}, which these recipes do not "
+                              f"run (they apply FSDP): launch with an FSDP config, e.g. accelerate_configs/{config}")
     use_env = bool(_env_bool("ACCELERATE_USE_FSDP"))
     if use_env:
         _reject_unsupported_env()
@@ -126,9 +145,12 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     version = pick("fsdp_version", cfg.fsdp_version, env(_env_int, "FSDP_VERSION"), 2)
     if version not in (1, 2):
         raise ConfigError(f"fsdp_version must be 1 or 2, got {version}")
+    if version == 1 and cfg.torch_compile:
+        raise ConfigError("torch_compile needs fsdp_version 2: FSDP1 wraps the layers in flat parameters that "
+                          "torch.compile does not trace per layer; set fsdp_version 2 or torch_compile false")
 
     # accelerate always exports both settings, with FULL_SHARD and true as defaults; each engine reads only its own.
-    env_strategy = env(os.environ.get, "FSDP_SHARDING_STRATEGY")
+    env_strategy = env(_env_name, "FSDP_SHARDING_STRATEGY")
     env_reshard = env(_env_reshard, "FSDP_RESHARD_AFTER_FORWARD")
     if version == 1:
         if cfg.fsdp_reshard_after_forward is not None:
@@ -168,7 +190,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
         raise ConfigError(f"dp_replicate_size {replicate} needs fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1")
 
-    env_wrap = env(os.environ.get, "FSDP_AUTO_WRAP_POLICY")
+    env_wrap = env(_env_name, "FSDP_AUTO_WRAP_POLICY")
     env_layers = env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP")
     wrap = pick("fsdp_auto_wrap_policy", cfg.fsdp_auto_wrap_policy, env_wrap, "TRANSFORMER_BASED_WRAP")
     if wrap not in WRAP_POLICIES:
@@ -185,11 +207,15 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap, env_layers, None)
     min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
                           100_000_000)
-    # Each policy reads one of the two keys: the other, set in the recipe config, would be ignored without a word.
-    # (accelerate exports fsdp_min_num_params whatever its policy, so only the recipe's values are checked.)
+    # Each policy reads one of the two keys: the other would be ignored without a word. (accelerate exports
+    # fsdp_min_num_params whatever its policy, as 100000000 when its config leaves it out.)
     if wrap == "TRANSFORMER_BASED_WRAP" and cfg.fsdp_min_num_params is not None:
         raise ConfigError("fsdp_min_num_params is a SIZE_BASED_WRAP setting: remove it, or set "
                           "fsdp_auto_wrap_policy SIZE_BASED_WRAP")
+    if (wrap == "TRANSFORMER_BASED_WRAP" and cfg.fsdp_auto_wrap_policy is None
+            and env(_env_int, "FSDP_MIN_NUM_PARAMS") not in (None, 100_000_000)):
+        raise ConfigError("the accelerate config sets fsdp_min_num_params, which TRANSFORMER_BASED_WRAP does not "
+                          "read: remove it, or set fsdp_auto_wrap_policy SIZE_BASED_WRAP")
     if cfg.fsdp_transformer_layer_cls_to_wrap is not None and not layers_read:
         raise ConfigError("fsdp_transformer_layer_cls_to_wrap is read by TRANSFORMER_BASED_WRAP, activation "
                           "checkpointing and torch_compile, none of which this run uses: remove it, or set "
@@ -199,7 +225,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if precision not in PRECISIONS:
         raise ConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
-    prefetch = env(os.environ.get, "FSDP_BACKWARD_PREFETCH")
+    prefetch = env(_env_name, "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2:
         raise ConfigError("fsdp_backward_prefetch is an FSDP1 setting (FSDP2 always prefetches): remove it")
     if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):

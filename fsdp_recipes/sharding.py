@@ -193,9 +193,6 @@ def compile_layers(model: nn.Module, layer_classes: tuple[type, ...], plan: Shar
     sharding, so that FSDP2's hooks on the layer (which dynamo skips) run around the compiled code. `Module.compile`
     compiles in place: module names, and so state-dict keys, are unchanged.
     """
-    if plan.fsdp_version == 1:
-        raise ConfigError("torch_compile needs fsdp_version 2: FSDP1 wraps the layers in flat parameters that "
-                          "torch.compile does not trace per layer; set fsdp_version 2 or torch_compile false")
     for layer in [m for m in model.modules() if isinstance(m, layer_classes)]:
         layer.compile()
 

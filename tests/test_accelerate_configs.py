@@ -144,15 +144,16 @@ def test_gpu_config_resolves_to_the_plan_its_yaml_describes(monkeypatch, name):
 
 
 def test_a_key_left_out_of_an_accelerate_config_takes_accelerates_default(monkeypatch, tmp_path):
-    # As the README's Sharding section says: accelerate exports its own defaults (FSDP1, fp32), which the recipe
-    # cannot tell from values set on purpose; the recipe config wins over them.
+    # As the README's Sharding section says: accelerate exports its own defaults (FSDP1, fp32, rank-0 loading),
+    # which the recipe cannot tell from values set on purpose; the recipe config wins over them.
     config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp2.yaml").read_text())
     del config["fsdp_config"]["fsdp_version"], config["mixed_precision"]
+    del config["fsdp_config"]["fsdp_cpu_ram_efficient_loading"], config["fsdp_config"]["fsdp_sync_module_states"]
     (tmp_path / "trimmed.yaml").write_text(yaml.safe_dump(config))
     for key, value in launched_env(tmp_path / "trimmed.yaml").items():
         monkeypatch.setenv(key, value)
     plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
-    assert (plan.fsdp_version, plan.mixed_precision) == (1, "no")
+    assert (plan.fsdp_version, plan.mixed_precision, plan.cpu_ram_efficient_loading) == (1, "no", True)
     plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "2",
                                       "--mixed_precision", "bf16"]))
     assert (plan.fsdp_version, plan.mixed_precision) == (2, "bf16")

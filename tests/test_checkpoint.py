@@ -413,6 +413,8 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(CheckpointError, match="a_file already exists and is a file, not a folder"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
+    with pytest.raises(ConfigError, match="max_shard_size must be a positive size such as 5GB, 500MB or 4GiB"):
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), max_shard_size="5G")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "not_a_checkpoint", "taken"]
     assert os.listdir(tmp_path / "taken") == ["keep.txt"]
     assert (tmp_path / "a_file").read_text() == "mine"

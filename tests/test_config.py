@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.config import ConfigError, parse_config, shard_size_in_bytes
 
 from conftest import run
 
@@ -43,6 +43,24 @@ def test_unknown_cli_flag_is_named():
          "gradient_accumulation_steps must be at least 1"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "0"], "max_steps must be -1"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "3"], "fsdp_version must be 1 or 2"),
+        # A size the Hub's splitter refuses would fail at the export, after the whole run.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_shard_size", "5G"],
+         "max_shard_size must be a positive size such as 5GB, 500MB or 4GiB, got '5G'"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_shard_size", "0GB"], "max_shard_size must be"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--learning_rate=-1e-5"],
+         "learning_rate must be a positive number"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--learning_rate", "inf"], "learning_rate must be"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_beta2", "1"], r"adam_beta2 must be in \[0, 1\)"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--weight_decay", "-0.1"], "weight_decay must be 0 or"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--resume_from_checkpoint", "true"],
+         "resume_from_checkpoint true: set it to auto"),
+        # argparse's own errors, as one line that names the command line.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "ten"],
+         "the command line: argument --max_steps/--max-steps: invalid integer value: 'ten'"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--config"],
+         "the command line: argument --config: expected one argument"),
+        (["--config", "a.yaml", "--config", "b.yaml"], r"--config is given 2 times \(a.yaml, b.yaml\): pass one YAML"),
     ],
 )
 def test_bad_values_are_explained(args, message):
@@ -61,6 +79,13 @@ def test_bad_values_are_explained(args, message):
     ("generation_prompts: 'reverse: abc'", r"generation_prompts must be a list of strings or null, got 'reverse: abc'"),
     ("lr_scheduler_type: reduce_lr_on_plateau", r"lr_scheduler_type must be one of linear, cosine, constant, "),
     ("lr_scheduler_type: constant\nwarmup_steps: 5", r"constant has no warm-up: use constant_with_warmup"),
+    # A string where a number belongs: named with the file, not blamed on a command-line flag.
+    ("max_steps: ten", r"max_steps in .*recipe.yaml must be an integer, got 'ten'"),
+    ("packing: maybe", r"packing in .*recipe.yaml must be true or false, got 'maybe'"),
+    ("output_dir: ~", r"output_dir must be a string, got None \(YAML reads ~ and an empty value as null\)"),
+    # YAML keeps the last of two equal keys: an edit at the bottom of a copied recipe would silently lose or win.
+    ("max_steps: 5\nmax_steps: 6", r"is not valid YAML: key 'max_steps' is set twice in .* line 4"),
+    ("resume_from_checkpoint: true", "resume_from_checkpoint true: set it to auto"),
 ])
 def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
     """argparse checks only the command line; a YAML typo must not crash after training or change the run."""
@@ -70,8 +95,21 @@ def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
 
 def test_yaml_values_of_the_right_type_pass(tmp_path):
     cfg = parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nnum_train_epochs: 3\n"
-                                                        "generation_prompts: [a, b]\nfsdp_offload_params: true\n")])
+                                                        "generation_prompts: [a, b]\nfsdp_offload_params: true\n"
+                                                        "fsdp_min_num_params: 1.0e+8\npacking: 'true'\n")])
     assert (cfg.num_train_epochs, cfg.generation_prompts, cfg.fsdp_offload_params) == (3, ["a", "b"], True)
+    assert (cfg.fsdp_min_num_params, cfg.packing) == (100_000_000, True)
+    assert [shard_size_in_bytes(size) for size in ("5GB", "4GiB", "1.5 mb")] == [5 * 10**9, 4 * 2**30, 1_500_000]
+    assert parse_config(["--model_name_or_path", "m", "--dataset_name", "d",
+                         "--fsdp_min_num_params", "1e8"]).fsdp_min_num_params == 100_000_000
+
+
+def test_home_folder_paths_are_expanded_as_transformers_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: ~/m\ndataset_name: a.jsonl,~/b.jsonl\n"),
+                        "--output_dir=~/out"])
+    assert (cfg.model_name_or_path, cfg.output_dir) == (f"{tmp_path}/m", f"{tmp_path}/out")
+    assert cfg.dataset_name == f"a.jsonl,{tmp_path}/b.jsonl"
 
 
 def test_a_missing_or_malformed_config_file_is_explained(tmp_path):
@@ -79,6 +117,9 @@ def test_a_missing_or_malformed_config_file_is_explained(tmp_path):
         parse_config(["--config", str(tmp_path / "nope.yaml")])
     with pytest.raises(ConfigError, match=r"recipe.yaml is not valid YAML: mapping values are not allowed here .* line 2"):
         parse_config(["--config", write_yaml(tmp_path, "a: 1\n b: [\n")])
+    (tmp_path / "latin1.yaml").write_bytes("model_name_or_path: m\nrun_name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text: invalid continuation byte at byte 35"):
+        parse_config(["--config", str(tmp_path / "latin1.yaml")])
 
 
 def test_recipe_reports_a_bad_argument_in_one_line():

@@ -9,10 +9,9 @@ import torch
 from conftest import torchrun
 
 from fsdp_recipes import demo
-from fsdp_recipes.config import ConfigError, TrainConfig
+from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader
-from fsdp_recipes.plan import ShardingPlan
-from fsdp_recipes.sharding import compile_layers
+from fsdp_recipes.plan import resolve_plan
 
 
 def test_recipe_adamw_and_compiled_layers_match_the_plain_step(tiny, tmp_path):
@@ -53,8 +52,5 @@ def test_dataloader_workers_give_the_batches_of_the_main_process():
 
 def test_torch_compile_needs_fsdp2():
     with pytest.raises(ConfigError, match="torch_compile needs fsdp_version 2"):
-        compile_layers(torch.nn.Linear(2, 2), (torch.nn.Linear,), ShardingPlan(
-            fsdp_version=1, sharding_strategy="FULL_SHARD", reshard_after_forward=True, dp_replicate_size=None,
-            auto_wrap_policy="TRANSFORMER_BASED_WRAP", layer_cls_names=None, min_num_params=0, offload_params=False,
-            activation_checkpointing=False, cpu_ram_efficient_loading=False, mixed_precision="no",
-            backward_prefetch=None, torch_compile=True))
+        resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--torch_compile", "true",
+                                   "--fsdp_version", "1"]))

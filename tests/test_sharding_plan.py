@@ -62,6 +62,16 @@ def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
     assert plan_for().sharding_strategy == "FULL_SHARD"
 
 
+def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
+    for key, value in {"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "shard_grad_op", "FSDP_OFFLOAD_PARAMS": "on",
+                       "FSDP_ACTIVATION_CHECKPOINTING": "T", "FSDP_CPU_RAM_EFFICIENT_LOADING": "off",
+                       "FSDP_BACKWARD_PREFETCH": "backward_post"}.items():
+        accelerate_env.setenv(key, value)
+    plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
+    assert (plan.sharding_strategy, plan.offload_params, plan.activation_checkpointing) == ("SHARD_GRAD_OP", True, True)
+    assert (plan.cpu_ram_efficient_loading, plan.backward_prefetch) == (False, "BACKWARD_POST")
+
+
 def test_fsdp1_offload_accumulates_with_one_reduction_per_step(accelerate_env):
     accelerate_env.setenv("FSDP_VERSION", "1")
     accelerate_env.setenv("FSDP_OFFLOAD_PARAMS", "true")
@@ -114,6 +124,14 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, [],
      "sets fsdp_sharding_strategy NO_SHARD and fsdp_reshard_after_forward SHARD_GRAD_OP: keep one of them"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, [], r"dynamo_config \(dynamo_backend INDUCTOR\) is not applied"),
+    # A DeepSpeed config exports no FSDP settings: its offload would be dropped without a word.
+    ({"ACCELERATE_USE_FSDP": "false", "ACCELERATE_USE_DEEPSPEED": "true"}, [],
+     "the accelerate config uses DEEPSPEED, which these recipes do not run .*accelerate_configs/fsdp2_offload.yaml"),
+    ({"ACCELERATE_USE_FSDP": "false", "ACCELERATE_USE_MEGATRON_LM": "true"}, [], "uses MEGATRON-LM"),
+    # accelerate's truth values; anything else would have been a silent false.
+    ({"FSDP_OFFLOAD_PARAMS": "ture"}, [], "fsdp_offload_params must be true or false, got 'ture'"),
+    ({"FSDP_MIN_NUM_PARAMS": "1000"}, [], "sets fsdp_min_num_params, which TRANSFORMER_BASED_WRAP does not read"),
+    ({}, ["--fsdp_version", "1", "--torch_compile", "true"], "torch_compile needs fsdp_version 2"),
     # torch's FSDP1 replaces an offloaded gradient with the newest micro-batch's instead of adding to it.
     ({"FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true"}, ["--gradient_accumulation_steps", "2"],
      "FSDP1 with CPU offload cannot accumulate gradients .* set gradient_sync last_micro_batch"),
