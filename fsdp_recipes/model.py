@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import ConfigError, TrainConfig
 from .plan import ShardingPlan
@@ -78,7 +80,6 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         return shard_model(load_model(cfg, dtype), plan, device)
 
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    config.use_cache = False
     for key, value in model_config_overrides(cfg).items():
         setattr(config, key, value)
     # Buffers stay real: non-persistent ones (rotary frequencies) are computed here, not read from the checkpoint.
@@ -86,6 +87,11 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
+    model.config.use_cache = False  # as load_model: after the generation config was derived from it
+    if model.can_generate():
+        # As from_pretrained: the checkpoint's sampling defaults and stop tokens, which final/ carries on.
+        with contextlib.suppress(OSError):  # none: the one from_config derived from config.json stays
+            model.generation_config = GenerationConfig.from_pretrained(cfg.model_name_or_path)
     model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     full_state = load_model(cfg, dtype).state_dict() if dist.get_rank() == 0 else {}

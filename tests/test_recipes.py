@@ -59,6 +59,7 @@ FAMILIES = {
 def write_model(path: Path, config) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6  # final/ must keep them
     model.save_pretrained(path)
     TOKENIZER.save_pretrained(path)
     return path
@@ -105,6 +106,9 @@ def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data
     torch.testing.assert_close(recorded["logits"], logits, rtol=1e-5, atol=1e-5)
     print(f"{recipe.name}: losses {losses[0]:.3f} -> {losses[-1]:.3f}, max |sharded - reloaded| logit deviation "
           f"{(recorded['logits'] - logits).abs().max().item():.1e}")
+    # The source's generation settings, whichever rank loads the weights; the KV cache on for generation.
+    generation = json.loads((final / "generation_config.json").read_text())
+    assert (generation["do_sample"], generation["temperature"], generation.get("use_cache", True)) == (True, 0.6, True)
     with safe_open(str(final / "model.safetensors"), "pt") as f:
         stored = set(f.keys())
     if reloaded.config.tie_word_embeddings:
