@@ -20,3 +20,8 @@ def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps
     return math.ceil(cfg.num_train_epochs * steps_per_epoch)
+
+
+def check_run_length(cfg: TrainConfig, dataset, world_size: int) -> None:
+    """The run length's and the warm-up's errors, raised before the model loads rather than once training starts."""
+    cfg.num_warmup_steps(count_total_steps(cfg, dataset, world_size))

@@ -142,8 +142,13 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.
     device_peak_flops = peak_flops(env.device)
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
+    global_batch = env.world_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    left_out = len(train_dataset) - steps_per_epoch * global_batch
     print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
-                f"x {cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks")
+                f"x {cfg.per_device_train_batch_size} sequences on each of {env.world_size} ranks"
+                + (f"; an epoch trains {len(train_dataset) - left_out} of its {len(train_dataset)} sequences (the "
+                   f"{left_out} that do not fill a global batch of {global_batch} are left out, others each epoch)"
+                   if left_out else ""))
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
     # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's

@@ -27,6 +27,7 @@ from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import configure_progress_bars
+from fsdp_recipes.schedule import check_run_length
 from fsdp_recipes.sharding import describe_plan, make_collectable
 from fsdp_recipes.trainer import train
 
@@ -50,6 +51,7 @@ def main():
         # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
         tokenizer = load_tokenizer(cfg)
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
+        check_run_length(cfg, train_dataset, env.world_size)  # a schedule that cannot work fails before the model loads
 
         # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
         model = load_sharded_model(cfg, plan, env.device)

@@ -652,6 +652,10 @@ def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_p
                     "--max_steps", "6", "--logging_steps", "3", "--output_dir", tmp_path / "out")
     # 256 - 25 held out = 231 x 0.5 = 116 (rounded), 37 - 3 held out = 34: 150 examples packed.
     assert "packed 150 examples into" in proc.stdout and "eval 28 examples" in proc.stdout
+    # The sequences that do not fill a global batch (2 ranks x 2 x 2) are left out of each epoch, and it says so.
+    rows = int(re.search(r"packed 150 examples into (\d+) sequences", proc.stdout).group(1))
+    assert rows % 8 and (f"an epoch trains {rows - rows % 8} of its {rows} sequences (the {rows % 8} that do not fill "
+                         f"a global batch of 8 are left out, others each epoch)") in proc.stdout
     assert "Tokenizing" not in proc.stderr  # not a terminal: log lines, no progress bars (test_metrics.py: a pty)
     metrics = [m for m in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in m]  # not the eval line
     assert [m["step"] for m in metrics] == [3, 6]

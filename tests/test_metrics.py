@@ -171,14 +171,14 @@ def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
 
 
 def test_a_config_error_after_wandb_started_finishes_the_run(tiny, tmp_path):
-    # One epoch of 256 examples has 64 micro-batches of 4: fewer than the accumulation asked for. The error comes
-    # from the trainer, after the W&B run started.
+    # A checkpoint format the project cannot write: the trainer refuses it before the first step, after the W&B
+    # run started.
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"],
-                "--output_dir", tmp_path / "out", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
-                "--gradient_accumulation_steps", "100", "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path))
+                "--output_dir", tmp_path / "out", "--max_seq_length", "64", "--save_steps", "1",
+                "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path), ACCELERATE_USE_FSDP="true",
+               FSDP_STATE_DICT_TYPE="LOCAL_STATE_DICT")
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: one epoch gives each rank 64 micro-batches, fewer than gradient_accumulation_steps=100: lower it "
-        "or add data")
+        "error: fsdp_state_dict_type LOCAL_STATE_DICT is not supported: use FULL_STATE_DICT or SHARDED_STATE_DICT")
     [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     [exit_record] = [r.exit for r in read_records(run_file) if r.WhichOneof("record_type") == "exit"]
     assert exit_record.exit_code == 2
