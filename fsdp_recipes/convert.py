@@ -8,7 +8,10 @@ It streams: each output file's safetensors header is planned from the checkpoint
 tensors are read from the checkpoint one at a time (each stored chunk straight into the output tensor), cast, and
 appended to the open file, so peak memory is about the largest tensor, not one output file or the whole model. A
 mixture of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is
-held with its split copies.
+held with its split copies (about 2.25x the fused tensor).
+
+The folder is written under `<out_dir>.converting-<random>` next to it and renamed to out_dir (absent or empty)
+when complete; a failure removes that folder, and nothing else is ever removed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import shutil
 import struct
+import tempfile
 import zipfile
 from typing import Callable
 
@@ -34,8 +38,11 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import INDEX_NAME, original_layout_of, replace_dir, write_hf_weights
+from .export import INDEX_NAME, original_layout_of, write_hf_weights
 from .flops import build_meta_model
+
+# What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
+CHECKPOINT_STATE = {STATE_NAME, "config.json", "model", "optimizer", "rng"}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,7 +56,23 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         raise CheckpointError(f"{out_dir} already exists and is not empty: choose a new output folder")
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    tmp = out_dir.rstrip("/") + ".tmp"
+    # A new folder of its own next to out_dir (the last rename stays on one filesystem): nothing of the user's is
+    # ever removed (an out_dir.tmp or out_dir.old included); a failure removes this folder, a kill leaves it.
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f"{os.path.basename(out_dir)}.converting-")
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output is an ordinary folder
+        write_hf_folder(checkpoint, state, config, tmp, dtype, max_shard_size)
+        os.replace(tmp, out_dir)  # onto an absent or empty out_dir only: a folder with files in it stops the rename
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dtype: torch.dtype,
+                    max_shard_size) -> None:
+    """Write the checkpoint's weights, model files and config.json (recording `dtype`) into the empty `out_dir`."""
     with contextlib.ExitStack() as open_files:
         if state["format"] == "sharded":
             shapes, load_tensor = sharded_checkpoint_tensors(checkpoint)
@@ -62,18 +85,36 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         if "auto_map" not in config:
             layout = original_layout_of(build_meta_model(AutoConfig.from_pretrained(checkpoint)), shapes)
             shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        write_hf_weights(tmp, shapes, dtype, max_shard_size, load_tensor)
-    # Tokenizer and generation config as saved with the checkpoint; config.json records the output dtype.
+        write_hf_weights(out_dir, shapes, dtype, max_shard_size, load_tensor)
+    # The model files as saved with the checkpoint (tokenizer, named chat templates in additional_chat_templates/,
+    # processor files, generation config, the model's own code); config.json records the output dtype.
     for name in os.listdir(checkpoint):
+        path = os.path.join(checkpoint, name)
         weights = name.endswith(".safetensors") or name == INDEX_NAME
-        if os.path.isfile(os.path.join(checkpoint, name)) and name not in (STATE_NAME, "config.json") and not weights:
-            shutil.copy(os.path.join(checkpoint, name), tmp)
-    config.update(dtype=str(dtype).removeprefix("torch."), use_cache=True)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
+        if name in CHECKPOINT_STATE or weights:
+            continue
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(out_dir, name))
+        else:
+            shutil.copy(path, out_dir)
+    set_config_dtype_in_json(config, str(dtype).removeprefix("torch."))
+    config["use_cache"] = True
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    replace_dir(tmp, out_dir)
+
+
+def set_config_dtype_in_json(config: dict, dtype: str) -> None:
+    """export.set_config_dtype on a config.json's dict: a sub-config is a dict with a model_type of its own."""
+    config["dtype"] = dtype
+    for value in config.values():
+        if isinstance(value, dict) and "model_type" in value:
+            set_config_dtype_in_json(value, dtype)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], Callable[[str], torch.Tensor]]:
@@ -181,7 +222,7 @@ def keep_tensors_in_their_own_mappings() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder (sharded or full)")
-    parser.add_argument("out_dir", help="the Hugging Face folder to write (must not exist yet)")
+    parser.add_argument("out_dir", help="the Hugging Face folder to write (absent or empty)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the written weights")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB or 4GiB")
     args = parser.parse_args()

@@ -24,15 +24,19 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
+from transformers.utils import cached_file
 
 from .config import shard_size_in_bytes
 from .data_formats import turn_closing_token_id
 from .sharding import compute_device, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
+
+# A multimodal model's processor files (image, video and processor settings): vLLM needs them to serve the model.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
 
 def tied_parameter_names(model: nn.Module) -> set[str]:
@@ -122,7 +126,8 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
     came with the checkpoint (trust_remote_code)."""
     # The model holds fp32 master weights; the folder records the dtype its files hold.
     config = copy.deepcopy(model.config)
-    config.dtype, config.use_cache = dtype, True
+    set_config_dtype(config, dtype)
+    config.use_cache = True
     config.save_pretrained(out_dir)  # with the config's own code, if any
     # The class that from_pretrained registered for its auto_map entry; FSDP2 subclasses it, FSDP1 wraps it.
     unwrapped = model.module if isinstance(model, FSDP) else model
@@ -139,6 +144,32 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
             generation_config.eos_token_id = eos + [closing]
         generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    copy_processor_files(model.config.name_or_path, out_dir)
+
+
+def set_config_dtype(config: PretrainedConfig, dtype: torch.dtype) -> None:
+    """Record `dtype` in the config and in each of its sub-configs (a multimodal model's text_config, vision_config),
+    which otherwise keep the dtype the model was loaded in."""
+    config.dtype = dtype
+    for key in config.sub_configs:
+        sub_config = getattr(config, key, None)
+        if isinstance(sub_config, PretrainedConfig):
+            set_config_dtype(sub_config, dtype)
+
+
+def copy_processor_files(source: str, out_dir: str) -> None:
+    """Copy the processor files of the model folder (or hub id) the model was loaded from, where it has any.
+
+    The files as they are rather than AutoProcessor's save: the processor's own tokenizer and chat template would
+    overwrite the run's tokenizer files.
+    """
+    if not source:  # a model built from a config alone
+        return
+    for name in PROCESSOR_FILES:
+        path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        if path is not None:
+            shutil.copy(path, out_dir)
 
 
 def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size="5GB") -> None:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
-from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 import torch.distributed as dist
 
@@ -385,6 +385,15 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
         assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
     assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
 
+    # Named chat templates: transformers 5 saves all but the default under additional_chat_templates/.
+    named = shutil.copytree(checkpoint, tmp_path / "checkpoint-named-templates")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.chat_template = {"default": "{{ messages[0].content }}", "tool_use": "{{ tools }}{{ messages }}"}
+    tokenizer.save_pretrained(named)
+    assert (named / "additional_chat_templates" / "tool_use.jinja").is_file()
+    convert(str(named), str(tmp_path / "named_templates"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "named_templates").chat_template == tokenizer.chat_template
+
     # The run's final/ (fp32) holds the gathered weights at step 6, the step of the checkpoint.
     gathered = final_weights(reference)
     config = AutoConfig.from_pretrained(reference / "final")
@@ -415,9 +424,22 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
     with pytest.raises(ConfigError, match="max_shard_size must be a positive size such as 5GB, 500MB or 4GiB"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), max_shard_size="5G")
+    # A failure while writing (a dtype safetensors cannot hold) removes the converter's own folder, nothing else.
+    with pytest.raises(ValueError, match="cannot write torch.int8 weights"):
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), torch.int8)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "not_a_checkpoint", "taken"]
     assert os.listdir(tmp_path / "taken") == ["keep.txt"]
     assert (tmp_path / "a_file").read_text() == "mine"
+    # The user's own hf.old and hf.tmp folders are not the converter's: they stay, as they were.
+    for name, file in [("hf.old", "model.safetensors"), ("hf.tmp", "notes.txt")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text("mine")
+    convert(str(reference / "checkpoint-6"), str(tmp_path / "hf"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "hf", "hf.old", "hf.tmp", "not_a_checkpoint",
+                                                          "taken"]
+    for name, file in [("hf.old", "model.safetensors"), ("hf.tmp", "notes.txt")]:
+        assert os.listdir(tmp_path / name) == [file] and (tmp_path / name / file).read_text() == "mine"
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_replace_dir_after_a_kill_that_left_the_old_folder(tmp_path):

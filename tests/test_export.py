@@ -7,9 +7,10 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
 from fsdp_recipes import demo
+from fsdp_recipes.convert import set_config_dtype_in_json
 from fsdp_recipes.export import write_model_files
 
 from conftest import read_metrics, run, torchrun
@@ -79,9 +80,15 @@ def write_model_with_its_own_code(source, path):
     return path
 
 
+PREPROCESSOR_CONFIG = json.dumps({"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 28,
+                                                                                      "width": 28}})
+
+
 @pytest.mark.parametrize("fsdp_version", [2, 1])
 def test_a_model_with_its_own_code_exports_the_code_too(tiny, tmp_path, fsdp_version):
     source = write_model_with_its_own_code(tiny["model"], tmp_path / "foo")
+    # As a multimodal model's folder has: the processor files, which vLLM needs, go into final/ and checkpoints.
+    (source / "preprocessor_config.json").write_text(PREPROCESSOR_CONFIG)
     out = tmp_path / "run"
     # The generic recipe; the run ends by reloading final/ for a sample, which needs the code beside the weights.
     run([sys.executable, "recipes/sft.py", "--model_name_or_path", source, "--trust_remote_code", "true",
@@ -94,6 +101,7 @@ def test_a_model_with_its_own_code_exports_the_code_too(tiny, tmp_path, fsdp_ver
     for folder in [out / "final", tmp_path / "converted"]:
         assert (folder / "modeling_foo.py").read_text() == REMOTE_MODEL
         assert (folder / "configuration_foo.py").read_text() == REMOTE_CONFIG
+        assert (folder / "preprocessor_config.json").read_text() == PREPROCESSOR_CONFIG
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
         assert type(model).__name__ == "FooForCausalLM"
 
@@ -115,3 +123,23 @@ def test_generation_stops_where_the_chat_template_closes_a_turn(tmp_path, eos, e
     saved = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
     assert saved == tokenizer.convert_tokens_to_ids(expected)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id  # the training model's is left alone
+
+
+def test_a_multimodal_config_records_the_dtype_in_each_sub_config(tmp_path):
+    # A Gemma 3 with a vision tower, loaded in fp32: its text_config and vision_config say float32 too.
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, vocab_size=64, dtype="float32")
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, dtype="float32")
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, dtype="float32")
+    with torch.device("meta"):  # write_model_files reads the config and generation config only
+        model = Gemma3ForConditionalGeneration(config)
+    write_model_files(model, demo.build_tokenizer(), str(tmp_path), torch.bfloat16)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert [saved["dtype"], saved["text_config"]["dtype"], saved["vision_config"]["dtype"]] == ["bfloat16"] * 3
+    assert model.config.text_config.dtype == torch.float32  # the training model's is left alone
+    # The converter writes config.json from the checkpoint's, which says float32 (the checkpoint's dtype).
+    converted = config.to_dict()
+    set_config_dtype_in_json(converted, "bfloat16")
+    assert [converted["dtype"], converted["text_config"]["dtype"], converted["vision_config"]["dtype"]] == [
+        "bfloat16"] * 3
