@@ -7,7 +7,8 @@ A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
 - `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
 - `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run id, the resolved config and the
   training data's identity (rows and a hash of its tokens).
-- `config.json`, `generation_config.json`, tokenizer files: what the converter needs to write an HF folder.
+- `config.json`, `generation_config.json`, tokenizer files (named chat templates in `additional_chat_templates/`),
+  the source's processor files: what the converter needs to write an HF folder.
 
 A save is written to `checkpoint-<step>.tmp` and renamed by rank 0 once every rank has finished; `latest` (a text
 file naming the newest checkpoint) is replaced after the rename. A kill at any moment leaves the previous

@@ -92,7 +92,9 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm; 0 disables."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the global gradient norm; 0 (or less, as in TrainingArguments) disables."}
+    )
     seed: int = 42
 
     # Sharding and precision. Unset (None) fields come from the accelerate config, else from the default shown.
@@ -209,12 +211,11 @@ class TrainConfig:
             raise ConfigError("resume_from_checkpoint true: set it to auto (the newest checkpoint in output_dir) or "
                               "to a checkpoint folder")
         check_field_types(self)
-        # As TrainingArguments does: YAML and `--key=~/x` leave the home folder unexpanded.
+        # As TrainingArguments does: YAML and `--key=~/x` leave the home folder unexpanded. (dataset_name is
+        # expanded name by name where it is read, so that a checkpoint records it as written.)
         for name in ("model_name_or_path", "tokenizer_name_or_path", "output_dir", "resume_from_checkpoint"):
             if getattr(self, name):
                 setattr(self, name, os.path.expanduser(getattr(self, name)))
-        if self.dataset_name:
-            self.dataset_name = ",".join(os.path.expanduser(n.strip()) for n in self.dataset_name.split(","))
         required = {"model_name_or_path": self.model_name_or_path, "dataset_name": self.dataset_name}
         for name, value in required.items():
             if not value:
@@ -228,7 +229,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"max_steps must be -1 (use num_train_epochs) or positive, got {self.max_steps}")
-        if self.max_steps == -1 and self.num_train_epochs <= 0:
+        if self.max_steps == -1 and not 0 < self.num_train_epochs < math.inf:
             raise ConfigError(f"num_train_epochs must be positive when max_steps is -1, got {self.num_train_epochs}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
@@ -256,7 +257,7 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("adam_epsilon", "weight_decay", "max_grad_norm"):
+        for name in ("adam_epsilon", "weight_decay"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:
@@ -307,8 +308,10 @@ def check_field_types(cfg) -> None:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if not _matches(value, hints[f.name]):
-            null = " (YAML reads ~ and an empty value as null)" if value is None else ""
-            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{null}")
+            hint = (" (YAML reads ~ and an empty value as null)" if value is None else
+                    " (YAML reads an unquoted yes, no, on or off as true or false: quote it)"
+                    if isinstance(value, bool) else "")
+            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{hint}")
 
 
 def _matches(value, annotation) -> bool:
@@ -352,6 +355,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(problem=f"key '{key}' is set twice",
@@ -380,7 +385,7 @@ def _raise_config_error(source: str):
 def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
     field_names = [f.name for f in dataclasses.fields(config_cls)]
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
             values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
     except OSError as error:
         raise ConfigError(f"cannot read --config {path}: {error.strerror}") from error

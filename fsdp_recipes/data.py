@@ -6,6 +6,7 @@ Sources and splits live in `data_sources`, formats and loss masks in `data_forma
 from __future__ import annotations
 
 import functools
+import os
 from datetime import timedelta
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -111,7 +112,7 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
 
     Rank 0 builds first and fills the datasets cache; the other ranks then read it (see on_rank0_first).
     """
-    names = [n.strip() for n in cfg.dataset_name.split(",")]
+    names = [os.path.expanduser(n.strip()) for n in cfg.dataset_name.split(",")]
     weights = parse_weights(cfg.dataset_weights) if cfg.dataset_weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")

@@ -10,6 +10,7 @@ transformers) do not read.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -163,13 +164,18 @@ def copy_processor_files(source: str, out_dir: str) -> None:
     The files as they are rather than AutoProcessor's save: the processor's own tokenizer and chat template would
     overwrite the run's tokenizer files.
     """
-    if not source:  # a model built from a config alone
-        return
-    for name in PROCESSOR_FILES:
-        path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
-                           _raise_exceptions_for_connection_errors=False)
-        if path is not None:
-            shutil.copy(path, out_dir)
+    for path in processor_files(source):
+        shutil.copy(path, out_dir)
+
+
+@functools.cache  # looked up once per run, not at every checkpoint: a hub id costs a request per file
+def processor_files(source: str) -> tuple[str, ...]:
+    """Local paths of the processor files of a model folder or hub id (none for a model built from a config)."""
+    if not source:
+        return ()
+    paths = (cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                         _raise_exceptions_for_connection_errors=False) for name in PROCESSOR_FILES)
+    return tuple(path for path in paths if path is not None)
 
 
 def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.dtype, max_shard_size="5GB") -> None:

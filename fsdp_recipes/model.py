@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
@@ -69,6 +67,15 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrain
     return model
 
 
+def checkpoint_generation_config(path: str) -> GenerationConfig:
+    """The generation config as from_pretrained reads it: the checkpoint's sampling defaults and stop tokens (which
+    final/ carries on), from generation_config.json, else from the generation keys of config.json (older models)."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+
+
 def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.device) -> nn.Module:
     """The model sharded as `plan` says, with master weights in the plan's dtype.
 
@@ -89,9 +96,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         )
     model.config.use_cache = False  # as load_model: after the generation config was derived from it
     if model.can_generate():
-        # As from_pretrained: the checkpoint's sampling defaults and stop tokens, which final/ carries on.
-        with contextlib.suppress(OSError):  # none: the one from_config derived from config.json stays
-            model.generation_config = GenerationConfig.from_pretrained(cfg.model_name_or_path)
+        model.generation_config = checkpoint_generation_config(cfg.model_name_or_path)
     model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     full_state = load_model(cfg, dtype).state_dict() if dist.get_rank() == 0 else {}

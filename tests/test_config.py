@@ -86,6 +86,8 @@ def test_bad_values_are_explained(args, message):
     # YAML keeps the last of two equal keys: an edit at the bottom of a copied recipe would silently lose or win.
     ("max_steps: 5\nmax_steps: 6", r"is not valid YAML: key 'max_steps' is set twice in .* line 4"),
     ("resume_from_checkpoint: true", "resume_from_checkpoint true: set it to auto"),
+    ("mixed_precision: no", r"got False \(YAML reads an unquoted yes, no, on or off as true or false: quote it\)"),
+    ("num_train_epochs: .nan", "num_train_epochs must be positive when max_steps is -1"),
 ])
 def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
     """argparse checks only the command line; a YAML typo must not crash after training or change the run."""
@@ -99,6 +101,10 @@ def test_yaml_values_of_the_right_type_pass(tmp_path):
                                                         "fsdp_min_num_params: 1.0e+8\npacking: 'true'\n")])
     assert (cfg.num_train_epochs, cfg.generation_prompts, cfg.fsdp_offload_params) == (3, ["a", "b"], True)
     assert (cfg.fsdp_min_num_params, cfg.packing) == (100_000_000, True)
+    # A merge key (`<<:`) is not a key set twice; a key beside it overrides the merged one, as YAML says.
+    cfg = parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\n<<: {dataset_name: d, seed: 3}\n"
+                                                        "seed: 4\n")])
+    assert (cfg.dataset_name, cfg.seed) == ("d", 4)
     assert [shard_size_in_bytes(size) for size in ("5GB", "4GiB", "1.5 mb")] == [5 * 10**9, 4 * 2**30, 1_500_000]
     assert parse_config(["--model_name_or_path", "m", "--dataset_name", "d",
                          "--fsdp_min_num_params", "1e8"]).fsdp_min_num_params == 100_000_000
@@ -106,10 +112,11 @@ def test_yaml_values_of_the_right_type_pass(tmp_path):
 
 def test_home_folder_paths_are_expanded_as_transformers_does(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: ~/m\ndataset_name: a.jsonl,~/b.jsonl\n"),
-                        "--output_dir=~/out"])
+    write_yaml(tmp_path, "model_name_or_path: ~/m\ndataset_name: a.jsonl,~/b.jsonl\n")
+    cfg = parse_config(["--config=~/recipe.yaml", "--output_dir=~/out"])
     assert (cfg.model_name_or_path, cfg.output_dir) == (f"{tmp_path}/m", f"{tmp_path}/out")
-    assert cfg.dataset_name == f"a.jsonl,{tmp_path}/b.jsonl"
+    # The data set names are expanded where they are read (test_data.py): a checkpoint records them as written.
+    assert cfg.dataset_name == "a.jsonl,~/b.jsonl"
 
 
 def test_a_missing_or_malformed_config_file_is_explained(tmp_path):

@@ -622,6 +622,13 @@ def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
 
 
+def test_a_data_set_name_may_start_with_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    demo.write_jsonl(tmp_path / "home.jsonl", [{"text": f"abc{i}"} for i in range(4)])
+    train, _ = build_datasets(cfg(" ~/home.jsonl"), TOKENIZER)  # as the second name of "a.jsonl, ~/home.jsonl"
+    assert len(train) == 4
+
+
 def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
     # 11 examples on 2 ranks, batch 2, accumulation 2: the odd example is dropped, each rank gets 5 -> 1 step.
     dataset = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(11)], "labels": [[i, i] for i in range(11)]})

@@ -56,11 +56,17 @@ FAMILIES = {
 }
 
 
-def write_model(path: Path, config) -> Path:
+def write_model(path: Path, config, generation_in_config_json=False) -> Path:
+    """A random model; its sampling settings, which final/ must keep, in generation_config.json or (as older models
+    have them) in config.json."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6  # final/ must keep them
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
     model.save_pretrained(path)
+    if generation_in_config_json:
+        (path / "generation_config.json").unlink()
+        config_json = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config_json, "do_sample": True, "temperature": 0.6}))
     TOKENIZER.save_pretrained(path)
     return path
 
@@ -120,7 +126,9 @@ def train_and_check_export(recipe: Path, config_yaml: str, model_dir: Path, data
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
     recipe, config_yaml, config, layer_class, extra = FAMILIES[family]
-    model_dir = write_model(tmp_path / "model", config)
+    # Rank-0 loading builds the model from its config: the generation config must still be the checkpoint's.
+    rank0_loading = "--fsdp_cpu_ram_efficient_loading" in extra
+    model_dir = write_model(tmp_path / "model", config, generation_in_config_json=rank0_loading)
     result = train_and_check_export(REPO / "recipes" / f"{recipe}.py", f"recipes/configs/{config_yaml}.yaml",
                                     model_dir, data, tmp_path, *extra)
     assert f"wrapped: 2 x {layer_class}, then the root" in result["stdout"]
