@@ -66,10 +66,7 @@ class TrainingProgress:
 
     def write(self, line: str) -> None:
         """A log line that does not break the bar."""
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print_rank0(line)
+        print_line(line)
 
     def close(self) -> None:
         if self.bar is not None:
