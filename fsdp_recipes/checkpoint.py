@@ -54,6 +54,7 @@ from .distributed import print_rank0
 from .export import (INDEX_NAME, gather_full_state_dict, replace_dir, tied_parameter_names,
                      write_gathered_weights, write_model_files)
 from .plan import TRUE
+from .progress import print_line
 from .schedule import count_total_steps
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 
@@ -545,7 +546,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     del write_optimizer
     _write_on_every_rank(write_own_files, tmp, cfg.output_dir)
     _write_on_every_rank(finish, tmp, cfg.output_dir)
-    print_rank0(f"saved {final} ({fmt})")
+    print_line(f"saved {final} ({fmt})")
     return final
 
 

@@ -3,9 +3,11 @@
     make new-recipe MODEL=olmo2          # or: python -m fsdp_recipes.new_recipe olmo2
     python -m fsdp_recipes.new_recipe --sync
 
-MODEL is the model_type of the family's config.json. The new recipe takes every shared line from llama_sft.py, so
-it passes tests/test_recipes.py's check that the shared part of all recipes is identical. After a change to the
-shared part of llama_sft.py, --sync copies it into every other recipe (each keeps its docstring and own block).
+MODEL is the model_type of the family's config.json; a hyphen in it (modernbert-decoder) becomes an underscore in
+the file names. The new recipe takes every shared line from llama_sft.py, so it passes tests/test_recipes.py's check
+that the shared part of all recipes is identical. After a change to the shared part of llama_sft.py, --sync copies it
+into every other recipe (each keeps its docstring and own block); a .py file without a recipe's markers (a helper
+module) is skipped. Both need the repository's recipes/llama_sft.py: run them from a clone.
 Standard library only: it runs before any environment is installed.
 """
 
@@ -56,6 +58,20 @@ report_to: none
 """
 
 
+def read_reference() -> str:
+    """llama_sft.py's source; it lives in the repository, not in the installed package."""
+    if not os.path.isfile(REFERENCE):
+        raise SystemExit(f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {REFERENCE} (an "
+                         "installed package holds no recipes): run new_recipe from a clone of the repository")
+    with open(REFERENCE) as f:
+        return f.read()
+
+
+def is_recipe(text: str) -> bool:
+    """Whether a .py file has a recipe's layout: the markers around its own block."""
+    return OWN_START in text and OWN_END in text
+
+
 def split_recipe(text: str) -> tuple[str, str, str, str]:
     """(docstring, shared head, the recipe's own block, shared tail) of a recipe's source."""
     doc_end = text.index('"""', text.index('"""') + 3) + 4
@@ -65,16 +81,15 @@ def split_recipe(text: str) -> tuple[str, str, str, str]:
 
 def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     """Write <recipes_dir>/<name>_sft.py and <recipes_dir>/configs/<name>_sft.yaml; return their paths."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", model_type):
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", model_type):
         raise SystemExit(f"error: MODEL must be a model_type as config.json spells it (e.g. olmo2), got {model_type!r}")
-    name = model_type
+    name = model_type.replace("-", "_")  # a file name Python can import: modernbert-decoder -> modernbert_decoder
     recipe = os.path.join(recipes_dir, f"{name}_sft.py")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
     for path in (recipe, config):
         if os.path.exists(path):
             raise SystemExit(f"error: {path} already exists")
-    with open(REFERENCE) as f:
-        _, head, _, tail = split_recipe(f.read())
+    _, head, _, tail = split_recipe(read_reference())
     values = {"model_type": model_type, "name": name, "own_start": OWN_START}
     os.makedirs(os.path.dirname(config), exist_ok=True)
     with open(recipe, "w") as f:
@@ -84,23 +99,31 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     return recipe, config
 
 
-def sync_recipes(recipes_dir: str) -> list[str]:
-    """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed."""
-    with open(REFERENCE) as f:
-        _, head, _, tail = split_recipe(f.read())
-    changed = []
+def sync_recipes(recipes_dir: str) -> tuple[list[str], list[str]]:
+    """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed and the
+    .py files skipped as not recipes (no markers around an own block: a helper module)."""
+    _, head, _, tail = split_recipe(read_reference())
+    updates, skipped = {}, []
+    # Every file is read and split before any is written: a file that fails leaves the folder as it was.
     for name in sorted(os.listdir(recipes_dir)):
         path = os.path.join(recipes_dir, name)
         if not name.endswith(".py") or os.path.samefile(path, REFERENCE):
             continue
         with open(path) as f:
             text = f.read()
+        if not is_recipe(text):
+            skipped.append(path)
+            continue
+        if not text.startswith('"""'):  # split_recipe keeps a recipe's docstring: it must come first
+            raise SystemExit(f"error: {path} holds a recipe's markers but does not start with its docstring, as "
+                             "every recipe does: add it; no recipe was rewritten")
         doc, _, own, _ = split_recipe(text)
         if doc + head + own + tail != text:
-            with open(path, "w") as f:
-                f.write(doc + head + own + tail)
-            changed.append(path)
-    return changed
+            updates[path] = doc + head + own + tail
+    for path, text in updates.items():
+        with open(path, "w") as f:
+            f.write(text)
+    return list(updates), skipped
 
 
 def main() -> None:
@@ -111,7 +134,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.sync == bool(args.model_type):
         parser.error("give a model_type, or --sync")
-    paths = sync_recipes(args.recipes_dir) if args.sync else new_recipe(args.model_type, args.recipes_dir)
+    if args.sync:
+        paths, skipped = sync_recipes(args.recipes_dir)
+        for path in skipped:
+            print(f"skipped {path}: not a recipe (no \"{OWN_START}\" and \"{OWN_END}\" markers)")
+    else:
+        paths = new_recipe(args.model_type, args.recipes_dir)
     for path in paths:
         print(f"wrote {path}")
 

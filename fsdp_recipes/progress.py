@@ -8,6 +8,7 @@ import time
 from typing import TextIO
 
 import datasets
+import torch.distributed as dist
 import transformers
 from tqdm.auto import tqdm
 
@@ -27,6 +28,15 @@ def configure_progress_bars(is_main: bool) -> bool:
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
     return show
+
+
+def print_line(line: str) -> None:
+    """print_rank0 that keeps the bars intact where they are drawn: tqdm.write clears them, prints, redraws them."""
+    if use_progress_bars(not dist.is_initialized() or dist.get_rank() == 0):
+        tqdm.write(line)
+        sys.stdout.flush()  # as print_rank0 does: stdout may be a pipe (tee) while the bars are on the terminal
+    else:
+        print_rank0(line)
 
 
 class TrainingProgress:
@@ -56,10 +66,7 @@ class TrainingProgress:
 
     def write(self, line: str) -> None:
         """A log line that does not break the bar."""
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print_rank0(line)
+        print_line(line)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -175,6 +175,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         interval["token_slots"] += token_slots
         # Rows as the sampler batches them: flash attention's packed batches arrive concatenated into one row.
         interval["rows"] += cfg.per_device_train_batch_size * len(micro_batches) * env.world_size
+        progress.advance()  # before progress.logged: the bar shows the step it counts with that step's loss
 
         if step % cfg.logging_steps == 0 or step == total_steps:
             dist.all_reduce(loss_sum)
@@ -211,7 +212,6 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             if (evaluate_now or save_now) and env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)  # the step's queued work belongs to the step, not the eval or save
             interval["seconds"] += time.perf_counter() - start
-        progress.advance()
 
         if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
             save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,

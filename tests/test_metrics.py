@@ -1,17 +1,24 @@
 """What a run shows: W&B (offline) that survives a resume, metrics.jsonl, peak memory over ranks, evaluation on the
 held-out split, progress and sample generations. One 2-process run of 4 steps, resumed to 6, feeds most tests."""
 
+import fcntl
 import io
 import json
 import math
 import os
+import re
+import select
+import struct
+import subprocess
 import sys
+import termios
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, read_metrics, run, torchrun
+from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data_formats import IGNORE_INDEX
 from fsdp_recipes.device_stats import flops_model
@@ -26,9 +33,34 @@ DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
 PROMPTS = ["reverse: abcd", "reverse: deadbeef"]
 
 
+def run_on_terminal(cmd: list, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """Run cmd with stdout and stderr on a pseudo-terminal of 200 columns, as in a shell; its stdout is what the
+    terminal received."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    received, deadline = [], time.monotonic() + timeout
+    while select.select([leader], [], [], max(deadline - time.monotonic(), 0))[0]:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: every process that held the terminal has exited
+            break
+        received.append(chunk)
+    os.close(leader)
+    if time.monotonic() > deadline:
+        proc.kill()
+    output = b"".join(received).decode(errors="replace")
+    if proc.wait() != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- terminal ---\n{output[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=output, stderr="")
+
+
 @pytest.fixture(scope="module")
 def observed(tiny, tmp_path_factory):
     """4 steps under the recording driver (checkpoints at 2 and 4), then resumed by the plain recipe to step 6.
+    The first run shows on a terminal (progress bar), the resumed one writes to pipes (plain progress lines).
 
     17 held-out examples (7% of 256) in eval batches of 8: rank 0 gets 9 rows, rank 1 gets 8 and one dummy batch.
     """
@@ -38,7 +70,8 @@ def observed(tiny, tmp_path_factory):
               "--dataset_name", tiny["data"], "--output_dir", root / "out", "--per_device_train_batch_size", "4",
               "--max_seq_length", "64", "--logging_steps", "1", "--mixed_precision", "no", "--eval_fraction", "0.07",
               "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--save_steps", "2", "--report_to", "wandb"]
-    first = torchrun(DRIVER, root / "records", *common, "--max_steps", "4", WANDB_DIR=str(root))
+    first = run_on_terminal([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             DRIVER, root / "records", *common, "--max_steps", "4"], WANDB_DIR=str(root))
     resumed = torchrun(RECIPE, *common, "--max_steps", "6", "--resume_from_checkpoint", "auto",
                        "--generation_prompts", *PROMPTS, "--generation_max_new_tokens", "8", WANDB_DIR=str(root))
     records = {r: read_metrics(root / "records" / f"rank_{r}.jsonl") for r in (0, 1)}
@@ -203,7 +236,7 @@ def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
         assert sorted(int(row[0]) for row in labels if row.numel()) == list(range(n))  # dummy rows: no label
 
 
-def test_progress_bar_only_on_rank0_in_a_terminal():
+def test_progress_bar_only_on_rank0_in_a_terminal(observed):
     leader, follower = os.openpty()
     with os.fdopen(follower, "w") as terminal:
         assert use_progress_bars(True, terminal) and not use_progress_bars(False, terminal)
@@ -214,6 +247,17 @@ def test_progress_bar_only_on_rank0_in_a_terminal():
     progress.logged({"step": 5, "loss": 1.25, "tokens_per_second": 300.0})
     assert progress.bar.n == 5 and "loss=1.2500" in str(progress.bar)
     progress.close()
+    # The first observed run, on a terminal: what stays on screen for each count of the bar is that step's loss.
+    screen = observed["first"].stdout
+    shown = {}
+    for count, loss in re.findall(r"training:[^\r\n]*?\| (\d+)/4 \[[^\]\r\n]*loss=(\d+\.\d+)", screen):
+        shown[int(count)] = loss  # each draw overwrites the previous one
+    train, _ = split_metrics(observed["out"] / "metrics.jsonl")
+    assert shown == {m["step"]: f"{m['loss']:.4f}" for m in train[:4]}
+    # Save and eval lines are lines of their own: the bar is cleared (back to the line's start) before them.
+    for step in (2, 4):
+        assert f"\rsaved {observed['out']}/checkpoint-{step} (sharded)\r\n" in screen, screen
+        assert re.search(rf"\reval at step {step}: loss \d+\.\d+ perplexity \d+\.\d+\r\n", screen), screen
 
 
 def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):

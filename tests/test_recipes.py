@@ -5,6 +5,8 @@ but their own; a model type without a recipe gets one from `make new-recipe` and
 import json
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2
                           Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM, VaultGemmaConfig)
 
-from conftest import REPO, read_metrics, run, torchrun
+from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from test_readme import readme_commands
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, parse_config
@@ -26,7 +28,7 @@ from fsdp_recipes.data import IGNORE_INDEX
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model
-from fsdp_recipes.new_recipe import split_recipe, sync_recipes
+from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import forward_backward
 
@@ -328,6 +330,14 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
                               "--model_name_or_path", str(model_dir), "--dataset_name", str(data)])
     check_model_type(generated, {"biogpt": None}, str(recipe))
     assert "MODEL_TYPES = {\"biogpt\": None}" in split_recipe(recipe.read_text())[2]
+    # A model type with a hyphen, as config.json spells it; the file names take an underscore.
+    run(["make", "new-recipe", "MODEL=modernbert-decoder", f"RECIPES_DIR={tmp_path / 'recipes'}",
+         f"PYTHON={sys.executable}"])
+    hyphenated = tmp_path / "recipes" / "modernbert_decoder_sft.py"
+    assert "MODEL_TYPES = {\"modernbert-decoder\": None}" in split_recipe(hyphenated.read_text())[2]
+    assert split_recipe(hyphenated.read_text())[1::2] == shared
+    assert ("output_dir: outputs/modernbert_decoder_sft\n" in
+            (tmp_path / "recipes" / "configs" / "modernbert_decoder_sft.yaml").read_text())
     # The README's own command, into the same folder.
     [command] = [c for c in readme_commands() if c.startswith("make new-recipe ")]
     run([*shlex.split(command), f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
@@ -402,8 +412,35 @@ def test_router_loss_coefficient_without_router_logits_is_refused(tmp_path):
 
 def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
     gemma = (REPO / "recipes" / "gemma_sft.py").read_text()
-    (tmp_path / "gemma_sft.py").write_text(gemma.replace("    plan = resolve_plan(cfg)\n", ""))  # an outdated copy
+    outdated = gemma.replace("    plan = resolve_plan(cfg)\n", "")
+    (tmp_path / "gemma_sft.py").write_text(outdated)
     (tmp_path / "llama_sft.py").symlink_to(REPO / "recipes" / "llama_sft.py")  # the reference is not rewritten
-    assert sync_recipes(str(tmp_path)) == [str(tmp_path / "gemma_sft.py")]
+    (tmp_path / "helpers.py").write_text("STOP_WORDS = ()\n")  # a module the recipes import: not a recipe
+    proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir", tmp_path])
+    assert proc.stdout.splitlines() == [
+        f'skipped {tmp_path}/helpers.py: not a recipe (no "{OWN_START}" and "{OWN_END}" markers)',
+        f"wrote {tmp_path}/gemma_sft.py"]
     assert (tmp_path / "gemma_sft.py").read_text() == gemma
-    assert sync_recipes(str(tmp_path)) == []
+    assert sync_recipes(str(tmp_path)) == ([], [str(tmp_path / "helpers.py")])
+    # A file that fails the check stops the sync before any recipe is rewritten, whatever their order.
+    (tmp_path / "gemma_sft.py").write_text(outdated)
+    (tmp_path / "phi3_sft.py").write_text("".join(split_recipe(gemma)[1:]))  # markers, but no docstring
+    with pytest.raises(SystemExit, match=f"error: {tmp_path}/phi3_sft.py holds a recipe's markers but does not "
+                                         "start with its docstring, as every recipe does: add it; no recipe was "
+                                         "rewritten"):
+        sync_recipes(str(tmp_path))
+    assert (tmp_path / "gemma_sft.py").read_text() == outdated
+
+
+def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
+    """An installed package holds no recipes/llama_sft.py to copy: one error line, nothing written."""
+    shutil.copytree(REPO / "fsdp_recipes", tmp_path / "site-packages" / "fsdp_recipes")
+    reference = tmp_path / "site-packages" / "recipes" / "llama_sft.py"
+    for args in (["olmo2"], ["--sync"]):
+        proc = subprocess.run([sys.executable, "-m", "fsdp_recipes.new_recipe", *args, "--recipes_dir", tmp_path],
+                              cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(tmp_path / "site-packages")),
+                              capture_output=True, text=True)
+        assert (proc.returncode, proc.stdout) == (1, "")
+        assert proc.stderr == (f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {reference} (an "
+                               "installed package holds no recipes): run new_recipe from a clone of the repository\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site-packages"]
