@@ -32,7 +32,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=10 tests
 
-# Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml.
+# Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml (a hyphen
+# in MODEL becomes an underscore in the file names).
 new-recipe:
 	@test -n "$(MODEL)" || { echo "usage: make new-recipe MODEL=<model_type of config.json, e.g. olmo2>"; exit 2; }
 	$(PYTHON) -m fsdp_recipes.new_recipe $(MODEL) --recipes_dir $(RECIPES_DIR)
