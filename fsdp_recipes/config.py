@@ -19,6 +19,7 @@ from typing import Literal, Optional
 
 import yaml
 from transformers import HfArgumentParser
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
 @dataclass
@@ -29,7 +30,9 @@ class TrainConfig:
         default=None, metadata={"help": "Tokenizer hub id or folder; defaults to model_name_or_path."}
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Run model code shipped with the checkpoint."})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, eager, flash_attention_2 or flex_attention."})
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "sdpa, eager, flash_attention_2, flex_attention, or a Hub kernel (org/repo)."}
+    )
     output_router_logits: Optional[bool] = field(
         default=None,
         metadata={"help": "Mixture of experts: add the router load-balancing loss (x router_aux_loss_coef) to the "
@@ -52,7 +55,9 @@ class TrainConfig:
     )
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config name of a hub data set."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: Optional[str] = field(default=None, metadata={"help": "Held-out split of a hub or saved data set."})
+    eval_split: Optional[str] = field(
+        default=None, metadata={"help": "Held-out split, or a slice of one (train[90%:]), of the data sets."}
+    )
     eval_fraction: float = field(
         default=0.0, metadata={"help": "Hold out this fraction of the training split (seeded), when no eval_split."}
     )
@@ -143,7 +148,8 @@ class TrainConfig:
                           "communicates once per step but holds full gradients between micro-batches."},
     )
     save_dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
-        default="auto", metadata={"help": "dtype of the exported model; auto: the dtype of the model as loaded."}
+        default="auto", metadata={"help": "dtype of the exported model; auto: the dtype in the config.json of the "
+                                          "checkpoint you started from."}
     )
 
     # Evaluation and sample generation (see README, "Evaluation" and "Sample generation").
@@ -198,7 +204,8 @@ class TrainConfig:
     wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
     resume_from_checkpoint: Optional[str] = field(
         default=None,
-        metadata={"help": "Checkpoint folder to resume, or auto: the newest in output_dir (if none: start fresh)."},
+        metadata={"help": "Checkpoint folder to resume, or auto: the one output_dir's `latest` names (if none: start "
+                          "fresh)."},
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -208,8 +215,8 @@ class TrainConfig:
 
     def __post_init__(self):
         if str(self.resume_from_checkpoint).lower() == "true":
-            raise ConfigError("resume_from_checkpoint true: set it to auto (the newest checkpoint in output_dir) or "
-                              "to a checkpoint folder")
+            raise ConfigError("resume_from_checkpoint true: set it to auto (the checkpoint output_dir's `latest` "
+                              "names) or to a checkpoint folder")
         check_field_types(self)
         # As TrainingArguments does: YAML and `--key=~/x` leave the home folder unexpanded. (dataset_name is
         # expanded name by name where it is read, so that a checkpoint records it as written.)
@@ -263,6 +270,11 @@ class TrainConfig:
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         shard_size_in_bytes(self.max_shard_size)
+        # A typo otherwise fails at the model load, after the data is tokenized, as a traceback on every rank.
+        known = {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+        if self.attn_implementation not in known and "/" not in self.attn_implementation:
+            raise ConfigError(f"attn_implementation must be one of {', '.join(sorted(known))}, or a Hub kernel "
+                              f"(org/repo), got {self.attn_implementation!r}")
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
             raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
 

@@ -212,11 +212,6 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size: int, pin_memory: bool) -> DataLoader:
     """Each rank reads a disjoint, equally long part of the data (drop_last), so no rank waits on another."""
-    if len(dataset) < world_size * cfg.per_device_train_batch_size:
-        raise ConfigError(
-            f"{len(dataset)} examples cannot fill one batch of {cfg.per_device_train_batch_size} on each of "
-            f"{world_size} ranks: lower per_device_train_batch_size or add data"
-        )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
     # Flash attention finds example boundaries in position_ids only in a batch of one row (transformers'
     # _is_packed_sequence), so there packed rows become one row; sdpa and eager handle any batch size.

@@ -10,7 +10,8 @@ What is particular to a mixture of experts, and tested:
   own: they are 97% of a layer's parameters (Qwen3-30B-A3B: 604M of 623M) and a micro-batch routes tokens to
   nearly all of them, so a separate unit gathers nearly the same bytes, in two collectives instead of one.
 - Router load-balancing loss: the YAML sets output_router_logits, so the model returns it and the trainer adds
-  router_aux_loss_coef x its mean over the step's micro-batches and ranks (as HF's Trainer does), logged as
+  router_aux_loss_coef x its mean over the step's micro-batches and ranks (as the model's own loss weighs it for
+  one batch; HF's Trainer weighs it gradient_accumulation_steps x world size times more), logged as
   router_aux_loss. Without it the router may send most tokens to a few experts.
 
 Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a

@@ -61,6 +61,8 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--config"],
          "the command line: argument --config: expected one argument"),
         (["--config", "a.yaml", "--config", "b.yaml"], r"--config is given 2 times \(a.yaml, b.yaml\): pass one YAML"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--attn_implementation", "sdap"],
+         "attn_implementation must be one of eager, flash_attention_2, .*sdpa, or a Hub kernel .*got 'sdap'"),
     ],
 )
 def test_bad_values_are_explained(args, message):

@@ -1,5 +1,6 @@
-"""warmup_steps: a number of steps or a fraction of the run, as transformers' TrainingArguments reads it, and never
-the whole run (the learning rate would never reach learning_rate, nor decay)."""
+"""The schedule. warmup_steps: a number of steps or a fraction of the run, as transformers' TrainingArguments reads
+it, and never the whole run (the learning rate would never reach learning_rate, nor decay). The run's length: at
+least one step."""
 
 import sys
 
@@ -8,6 +9,7 @@ from transformers import TrainingArguments
 
 from conftest import run
 from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.schedule import count_total_steps
 
 
 def config(*args):
@@ -39,3 +41,14 @@ def test_a_warmup_as_long_as_the_run_is_refused(tiny, tmp_path):
         "1e-05, nor decay. Lower warmup_steps (steps below 3, or a fraction of the run such as 0.03) or train longer "
         "(max_steps, num_train_epochs)")
     assert "sharding plan" not in proc.stdout and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_data_too_small_for_one_step_says_which_key_to_change():
+    examples = range(10)
+    with pytest.raises(ConfigError, match="^10 examples cannot fill one batch of 8 on each of 2 ranks: lower "
+                                          "per_device_train_batch_size or add data$"):
+        count_total_steps(config("--per_device_train_batch_size", "8"), examples, world_size=2)
+    with pytest.raises(ConfigError, match="^one epoch gives each rank 5 micro-batches, fewer than "
+                                          "gradient_accumulation_steps=8: lower it or add data$"):
+        count_total_steps(config("--gradient_accumulation_steps", "8"), examples, world_size=2)
+    assert count_total_steps(config("--gradient_accumulation_steps", "2", "--num_train_epochs", "3"), examples, 2) == 6
