@@ -17,7 +17,6 @@ checkpoint complete and `latest` pointing at it.
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
@@ -51,7 +50,7 @@ from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .distributed import print_rank0
-from .export import (INDEX_NAME, gather_full_state_dict, replace_dir, tied_parameter_names,
+from .export import (INDEX_NAME, fsync, gather_full_state_dict, replace_dir, tied_parameter_names,
                      write_gathered_weights, write_model_files)
 from .plan import TRUE
 from .progress import print_line
@@ -495,7 +494,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
 
     def write_own_files():
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-        _fsync(os.path.join(tmp, "rng", f"rank_{rank}.pt"))  # each rank its own: another client's fsync may not
+        fsync(os.path.join(tmp, "rng", f"rank_{rank}.pt"))  # each rank its own: another client's fsync may not
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
@@ -507,7 +506,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             # syncs its own files).
             for name in os.listdir(tmp):
                 if os.path.isfile(os.path.join(tmp, name)):
-                    _fsync(os.path.join(tmp, name))
+                    fsync(os.path.join(tmp, name))
 
     def finish():
         # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
@@ -515,15 +514,15 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         if rank == 0:
             for folder in [os.path.join(tmp, name) for name in ("rng", "model", "optimizer")] + [tmp]:
                 if os.path.isdir(folder):  # model/ is the sharded format's
-                    _fsync(folder)  # its entries: the names of the files in it
+                    fsync(folder)  # its entries: the names of the files in it
             replace_dir(tmp, final)
-            _fsync(cfg.output_dir)  # the rename
+            fsync(cfg.output_dir)  # the rename
             latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")
             with open(latest_tmp, "w") as f:
                 f.write(os.path.basename(final))
-            _fsync(latest_tmp)
+            fsync(latest_tmp)
             os.replace(latest_tmp, os.path.join(cfg.output_dir, LATEST_NAME))
-            _fsync(cfg.output_dir)
+            fsync(cfg.output_dir)
             _apply_retention(cfg, step)
 
     # One part at a time, each ending when every rank has done it, so that a rank that fails alone stops them all.
@@ -548,19 +547,6 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     _write_on_every_rank(finish, tmp, cfg.output_dir)
     print_line(f"saved {final} ({fmt})")
     return final
-
-
-def _fsync(path: str) -> None:
-    """Flush a file's contents, or a folder's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        # Some file systems (SMB, some FUSE and Ceph mounts) cannot sync a folder; they keep its entries themselves.
-        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)):
-            raise
-    finally:
-        os.close(fd)
 
 
 def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -> None:

@@ -1,8 +1,10 @@
-"""Entry point of every recipe: a config mistake ends the run with one clear line, and every run exits cleanly."""
+"""Entry point of every recipe: a config mistake ends the run with one clear line, an error on any rank is printed
+at once, and every run exits cleanly."""
 
 from __future__ import annotations
 
 import sys
+import traceback
 from typing import Callable, NoReturn
 
 from .config import ConfigError
@@ -13,11 +15,20 @@ def run_main(main: Callable[[], None]) -> NoReturn:
     try:
         main()
     except ConfigError as error:
-        # exit_process skips wandb's teardown: a W&B run already started would be left running, then crashed.
-        wandb = sys.modules.get("wandb")
-        if wandb is not None and wandb.run is not None:
-            wandb.run.finish(exit_code=2)
         # One write per line: every rank reports the same error, and print's separate newline write interleaves.
         sys.stderr.write(f"error: {error}\n")
+        _finish_wandb(exit_code=2)
         exit_process(2)
+    except Exception:
+        # Printed before anything that could block (a collective, destroying an NCCL group another rank is stuck in).
+        traceback.print_exc()
+        _finish_wandb(exit_code=1)
+        exit_process(1)
     exit_process(0)
+
+
+def _finish_wandb(exit_code: int) -> None:
+    """exit_process skips wandb's teardown: a W&B run already started would be left running, then crashed."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.run.finish(exit_code=exit_code)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-from datetime import timedelta
 from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
@@ -19,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
 from .data_sources import carve_eval, load_sources, parse_column_mapping, parse_weights, weighted_sample
-from .distributed import print_rank0
+from .distributed import print_rank0, run_on_rank0, wait_for_every_rank
 
 
 def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
@@ -84,27 +83,11 @@ def on_rank0_first(build: Callable[[], T]) -> T:
     """
     if dist.get_world_size() == 1:
         return build()
-    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
-    failure: list[Optional[str]] = [None]
-    try:
-        if dist.get_rank() == 0:
-            try:
-                result = build()
-            except Exception as error:
-                failure[0] = (str(error) if isinstance(error, ConfigError)
-                              else f"rank 0 failed to build the data: {error!r}")
-                dist.broadcast_object_list(failure, src=0, group=group)
-                raise
-            dist.broadcast_object_list(failure, src=0, group=group)
-        else:
-            dist.broadcast_object_list(failure, src=0, group=group)
-            if failure[0] is not None:
-                raise ConfigError(failure[0])
-            result = build()
-        dist.barrier(group=group)
-        return result
-    finally:
-        dist.destroy_process_group(group)
+    result = run_on_rank0(build, "to build the data")
+    if dist.get_rank() != 0:
+        result = build()
+    wait_for_every_rank()
+    return result
 
 
 def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optional[datasets.Dataset]]:

@@ -11,10 +11,14 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Callable, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from .config import ConfigError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,51 @@ def distributed(timeout_minutes: int = 30):
     active exception") after all the work is done, and the launcher reports the whole run as failed.
     """
     env = init_distributed(timeout_minutes)
+    # Only on success: after an error another rank may be stuck in a collective, and destroying an NCCL group then
+    # can block before the error is printed (cli.run_main prints it and ends the process).
+    yield env
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    dist.destroy_process_group()
+
+
+def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
+    """Rank 0 runs `work` alone (a download, writing a large folder, generating) while the other ranks wait for it;
+    returns its result on rank 0, None elsewhere.
+
+    The others wait on a gloo group of their own with a one-day timeout: rank 0's work alone can outlast the default
+    group's 30 minutes, meant for training collectives (a 70B model is 141 GB to download or to write). If rank 0
+    fails, every rank stops with its error instead of timing out in the next collective.
+    """
+    if dist.get_world_size() == 1:
+        return work()
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    failure: list[Optional[str]] = [None]
+    result = None
     try:
-        yield env
-        dist.barrier()
+        if dist.get_rank() == 0:
+            try:
+                result = work()
+            except Exception as error:
+                failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed {what}: {error!r}"
+                dist.broadcast_object_list(failure, src=0, group=group)
+                raise
+        dist.broadcast_object_list(failure, src=0, group=group)
+        if failure[0] is not None:
+            raise ConfigError(failure[0])
+        return result
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        dist.destroy_process_group()
+        dist.destroy_process_group(group)
+
+
+def wait_for_every_rank() -> None:
+    """A barrier without the training collectives' timeout, for work whose length varies by rank."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    try:
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -10,6 +10,7 @@ transformers) do not read.
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import json
 import math
@@ -32,6 +33,7 @@ from transformers.utils import cached_file
 
 from .config import shard_size_in_bytes
 from .data_formats import turn_closing_token_id
+from .distributed import run_on_rank0
 from .sharding import compute_device, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -112,6 +114,19 @@ def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> by
     return struct.pack("<Q", len(data)) + data
 
 
+def fsync(path: str) -> None:
+    """Flush a file's contents, or a folder's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        # Some file systems (SMB, some FUSE and Ceph mounts) cannot sync a folder; they keep its entries themselves.
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)):
+            raise
+    finally:
+        os.close(fd)
+
+
 def replace_dir(tmp_dir: str, out_dir: str) -> None:
     """Move the finished `tmp_dir` to `out_dir`, replacing an older `out_dir` only once the new one is complete."""
     old_dir = out_dir.rstrip("/") + ".old"
@@ -185,13 +200,21 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
     complete, so a crash never leaves a half-written model where a finished one is expected.
     """
     tmp_dir = out_dir.rstrip("/") + ".tmp"
-    if dist.get_rank() == 0:
+    state_dict = gather_full_state_dict(model)
+
+    def write():
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    write_full_weights(model, tmp_dir, dtype, max_shard_size, original_layout=True)
-    if dist.get_rank() == 0:
+        write_gathered_weights(model, state_dict, tmp_dir, dtype, max_shard_size, original_layout=True)
         write_model_files(model, tokenizer, tmp_dir, dtype)
+        # On disk before the rename: a node that crashes right after the run must not leave a folder of empty files.
+        for folder, _, files in os.walk(tmp_dir):
+            for name in files:
+                fsync(os.path.join(folder, name))
+            fsync(folder)
         replace_dir(tmp_dir, out_dir)
-    dist.barrier()
+        fsync(os.path.dirname(os.path.abspath(out_dir)))
+
+    run_on_rank0(write, f"to write {out_dir}")
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -203,16 +226,11 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator))
 
 
-def write_full_weights(model: nn.Module, out_dir: str, dtype: torch.dtype, max_shard_size,
-                       original_layout: bool) -> None:
-    """Gather the full weights (every rank calls this) and write them from rank 0 into `out_dir`: in the original
-    layout for an HF folder, in the model's own (what load_state_dict takes) for a training checkpoint."""
-    write_gathered_weights(model, gather_full_state_dict(model), out_dir, dtype, max_shard_size, original_layout)
-
-
 def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype,
                            max_shard_size, original_layout: bool) -> None:
-    """Rank 0 writes gather_full_state_dict's `state_dict` (emptied as it goes) into `out_dir`; no collective."""
+    """Rank 0 writes gather_full_state_dict's `state_dict` (emptied as it goes) into `out_dir`: in the original
+    layout for an HF folder, in the model's own (what load_state_dict takes) for a training checkpoint. No
+    collective."""
     if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)

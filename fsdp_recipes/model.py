@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import ConfigError, TrainConfig
+from .distributed import run_on_rank0
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, shard_model, state_dict_name
 
@@ -99,7 +100,8 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         model.generation_config = checkpoint_generation_config(cfg.model_name_or_path)
     model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    full_state = load_model(cfg, dtype).state_dict() if dist.get_rank() == 0 else {}
+    # Rank 0 reads (or downloads) the weights alone; the others get None, an empty dict that the broadcast fills.
+    full_state = run_on_rank0(lambda: load_model(cfg, dtype).state_dict(), "to read the weights") or {}
 
     model = shard_model(model, plan, device)
     if any(p.is_meta for p in model.parameters()):  # FSDP1 allocated while wrapping; FSDP2 allocates here

@@ -31,7 +31,7 @@ from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
-from fsdp_recipes.export import replace_dir
+from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model
@@ -211,6 +211,19 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     assert ("fsync", str(tmp_path)) in events[renamed:latest] and ("fsync", f"{tmp_path}/latest.tmp") in events
     assert events[latest + 1] == ("fsync", str(tmp_path))
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
+    # final/ too: every file and folder before its rename, the rename itself after it.
+    events.clear()
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    save_hf_model(model, load_tokenizer(cfg), str(tmp_path / "final"), torch.float32)
+    monkeypatch.undo()
+    renamed = events.index(("replace", f"{tmp_path}/final.tmp", f"{tmp_path}/final"))
+    synced_before = {path.replace(f"{tmp_path}/final.tmp", f"{tmp_path}/final") for _, path in events[:renamed]}
+    written = {str(p) for p in tmp_path.glob("final/**/*")}
+    assert written and synced_before >= written | {f"{tmp_path}/final"}, written - synced_before
+    assert events[renamed + 1:] == [("fsync", str(tmp_path))]
 
 
 def test_retention_keeps_the_checkpoint_just_saved(tmp_path):

@@ -136,3 +136,18 @@ def test_recipe_reports_a_bad_argument_in_one_line():
                expect_rc=2)
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown config key 'learning_rat'")
     assert "Traceback" not in proc.stderr
+
+
+def test_an_error_is_printed_before_the_process_group_is_torn_down():
+    # Destroying an NCCL group while another rank is stuck in a collective can block: the error comes out first, and
+    # the group is left to the end of the process.
+    script = ("import torch.distributed as dist\n"
+              "from fsdp_recipes.cli import run_main\n"
+              "from fsdp_recipes.distributed import distributed\n"
+              "def main():\n"
+              "    with distributed():\n"
+              "        dist.destroy_process_group = lambda *args: print('destroyed', flush=True)\n"
+              "        raise RuntimeError('boom')\n"
+              "run_main(main)\n")
+    proc = run([sys.executable, "-c", script], expect_rc=1)
+    assert proc.stderr.strip().splitlines()[-1] == "RuntimeError: boom" and "destroyed" not in proc.stdout

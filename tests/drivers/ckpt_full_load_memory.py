@@ -24,7 +24,7 @@ from fsdp_recipes.checkpoint import load_model_weights
 from fsdp_recipes.config import TrainConfig
 from fsdp_recipes.convert import keep_tensors_in_their_own_mappings
 from fsdp_recipes.distributed import distributed, exit_process
-from fsdp_recipes.export import write_full_weights
+from fsdp_recipes.export import gather_full_state_dict, write_gathered_weights
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model
 
@@ -67,7 +67,7 @@ with distributed() as env:
         model = shard_model(model, resolve_plan(cfg), env.device)
         folder = os.path.join(work_dir, f"fsdp{fsdp_version}")
         # The model files of a checkpoint of each format, as save_checkpoint writes them.
-        write_full_weights(model, folder, torch.float32, "5GB", original_layout=False)
+        write_gathered_weights(model, gather_full_state_dict(model), folder, torch.float32, "5GB", original_layout=False)
         dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(folder, "model"))
         saved = get_model_state_dict(model, options=full)
         for fmt in ("full", "sharded"):
