@@ -49,7 +49,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
-from .distributed import print_rank0
+from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, replace_dir, tied_parameter_names,
                      write_gathered_weights, write_model_files)
 from .plan import TRUE
@@ -564,7 +564,8 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -
         if error is not None:
             report = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     reports: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    # Not on the training group's timeout: in the full format rank 0 alone writes the fp32 weights (282 GB for 70B).
+    dist.all_gather_object(reports, report, group=long_wait_group())
     failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
     if failed:
         free_mib = shutil.disk_usage(output_dir).free / 2**20
@@ -619,13 +620,18 @@ def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
         dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
         set_model_state_dict(model, model_sd)
         return
-    full = {}
-    if dist.get_rank() == 0:
+
+    def read_on_rank0() -> dict:
+        full = {}
         for file in safetensors_files(path):
             with safe_open(file, "pt") as f:
                 full.update({name: f.get_tensor(name) for name in f.keys()})
         for name in tied_parameter_names(model):
             full[name] = full[_tied_source(model, name)]
+        return full
+
+    # The others get None: an empty dict, which the broadcast fills.
+    full = run_on_rank0(read_on_rank0, f"to read {path}") or {}
     # strict (the default): a missing or unexpected weight is an error.
     with buffers_beside_parameters(model):
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -56,7 +56,7 @@ class TrainConfig:
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config name of a hub data set."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: Optional[str] = field(
-        default=None, metadata={"help": "Held-out split, or a slice of one (train[90%:]), of the data sets."}
+        default=None, metadata={"help": "Held-out split, or a slice of one (train[90%%:]), of the data sets."}
     )
     eval_fraction: float = field(
         default=0.0, metadata={"help": "Hold out this fraction of the training split (seeded), when no eval_split."}

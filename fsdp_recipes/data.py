@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
 from .data_sources import carve_eval, load_sources, parse_column_mapping, parse_weights, weighted_sample
-from .distributed import print_rank0, run_on_rank0, wait_for_every_rank
+from .distributed import long_wait_group, print_rank0, run_on_rank0
 
 
 def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
@@ -86,7 +86,7 @@ def on_rank0_first(build: Callable[[], T]) -> T:
     result = run_on_rank0(build, "to build the data")
     if dist.get_rank() != 0:
         result = build()
-    wait_for_every_rank()
+    dist.barrier(group=long_wait_group())
     return result
 
 

@@ -54,6 +54,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     else:
         # No launcher: a one-process group in memory, so no port is taken.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    long_wait_group()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -74,42 +75,43 @@ def distributed(timeout_minutes: int = 30):
     dist.destroy_process_group()
 
 
-def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
-    """Rank 0 runs `work` alone (a download, writing a large folder, generating) while the other ranks wait for it;
-    returns its result on rank 0, None elsewhere.
+_long_wait: tuple = (None, None)  # (the default group it was made in, the group)
 
-    The others wait on a gloo group of their own with a one-day timeout: rank 0's work alone can outlast the default
-    group's 30 minutes, meant for training collectives (a 70B model is 141 GB to download or to write). If rank 0
-    fails, every rank stops with its error instead of timing out in the next collective.
+
+def long_wait_group() -> dist.ProcessGroup:
+    """A gloo group with a one-day timeout, for waits whose length varies by rank: the default group's 30 minutes are
+    meant for training collectives. Made once, at init_distributed, while every rank is at the same place, then
+    reused: a group made later would wait a day for a rank that died before joining it, where a rank that dies
+    during a wait on this one closes its connections and the others stop at once."""
+    global _long_wait
+    if _long_wait[0] is not dist.group.WORLD:
+        _long_wait = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(days=1)))
+    return _long_wait[1]
+
+
+def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
+    """Rank 0 runs `work` alone (a download, writing a large folder, generating) while the other ranks wait for it
+    on the long_wait_group; returns its result on rank 0, None elsewhere.
+
+    Rank 0's work alone can outlast the default group's 30 minutes (a 70B model is 141 GB to download or to write).
+    If rank 0 fails, every rank stops with its error instead of timing out in the next collective.
     """
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
-    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
+    group = long_wait_group()
     failure: list[Optional[str]] = [None]
     result = None
-    try:
-        if dist.get_rank() == 0:
-            try:
-                result = work()
-            except Exception as error:
-                failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed {what}: {error!r}"
-                dist.broadcast_object_list(failure, src=0, group=group)
-                raise
-        dist.broadcast_object_list(failure, src=0, group=group)
-        if failure[0] is not None:
-            raise ConfigError(failure[0])
-        return result
-    finally:
-        dist.destroy_process_group(group)
-
-
-def wait_for_every_rank() -> None:
-    """A barrier without the training collectives' timeout, for work whose length varies by rank."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(days=1))
-    try:
-        dist.barrier(group=group)
-    finally:
-        dist.destroy_process_group(group)
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except Exception as error:
+            failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed {what}: {error!r}"
+            dist.broadcast_object_list(failure, src=0, group=group)
+            raise
+    dist.broadcast_object_list(failure, src=0, group=group)
+    if failure[0] is not None:
+        raise ConfigError(failure[0])
+    return result
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import TrainConfig
+from .distributed import run_on_rank0
 from .metrics import MetricsLogger
 
 
@@ -46,12 +47,16 @@ def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, us
 
 def log_sample_generations(cfg: TrainConfig, model_dir: str, device: torch.device, logger: MetricsLogger) -> None:
     """Rank 0 answers cfg.generation_prompts with the exported model, prints the answers and logs them
-    (samples.jsonl, a W&B table). The model must fit on one device; the other ranks do nothing."""
-    if not cfg.generation_prompts or not logger.is_main:
+    (samples.jsonl, a W&B table). The model must fit on one device; the other ranks wait (every rank calls this)."""
+    if not cfg.generation_prompts:
         return
-    samples = generate_samples(model_dir, cfg.generation_prompts, cfg.generation_max_new_tokens,
-                               cfg.generation_use_chat_template, device, cfg.attn_implementation,
-                               cfg.trust_remote_code)
-    for sample in samples:
-        print(f"sample: {sample['prompt']!r} -> {sample['completion']!r}", flush=True)
-    logger.log_samples(samples)
+
+    def answer_and_log():
+        samples = generate_samples(model_dir, cfg.generation_prompts, cfg.generation_max_new_tokens,
+                                   cfg.generation_use_chat_template, device, cfg.attn_implementation,
+                                   cfg.trust_remote_code)
+        for sample in samples:
+            print(f"sample: {sample['prompt']!r} -> {sample['completion']!r}", flush=True)
+        logger.log_samples(samples)
+
+    run_on_rank0(answer_and_log, "to answer the generation prompts")

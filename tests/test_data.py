@@ -671,13 +671,14 @@ def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_p
 
 
 def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
-    proc = torchrun("tests/drivers/rank0_first.py", "4", "2")
+    proc = torchrun("tests/drivers/rank0_first.py", "4", "2", timeout=120)
     for rank in (0, 1):  # the two ranks' lines may interleave in the launcher's output
         assert f"rank {rank}: built by rank {rank}, past the training group's barrier" in proc.stdout, proc.stdout
     assert "rank 0: written by rank 0, past the training group's barrier" in proc.stdout, proc.stdout
     assert "rank 1: None by rank 0, past the training group's barrier" in proc.stdout, proc.stdout
     assert "rank 0: ZeroDivisionError: division by zero" in proc.stdout
     assert "rank 1: ConfigError: rank 0 failed to divide: ZeroDivisionError('division by zero')" in proc.stdout
+    assert "rank 0: stopped when rank 1 died: " in proc.stdout  # not a day's wait for a rank that is gone
 
 
 def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):

@@ -5,7 +5,8 @@ is short.
 
 Rank 1 builds slowly (as a node whose datasets cache is on its own disk tokenizes again); then rank 0 works alone
 as long (as it downloads or writes a large model). After each, a barrier on a group with the short timeout must
-pass: no rank may have gone on to it alone. Last, rank 0's work fails: every rank must stop with its error.
+pass: no rank may have gone on to it alone. Then rank 0's work fails: every rank must stop with its error. Last,
+rank 1 dies in its own build (exiting 0, so that the launcher lets rank 0 run on): rank 0 must stop at once.
 """
 
 import sys
@@ -32,5 +33,8 @@ try:
     run_on_rank0(lambda: 1 / 0, "to divide")
 except (ZeroDivisionError, ConfigError) as error:
     print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
-dist.destroy_process_group()
+try:
+    on_rank0_first(lambda: exit_process(0) if rank == 1 else "built")
+except RuntimeError as error:
+    print(f"rank {rank}: stopped when rank 1 died: {type(error).__name__}", flush=True)
 exit_process(0)
