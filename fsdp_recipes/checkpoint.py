@@ -214,8 +214,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
         if inside:
             raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
                               f"{resume} resumes from one of them: pass only one of the two")
-        if dist.get_rank() == 0 and os.path.isdir(out):
-            for name in os.listdir(out):
+
+        def remove_earlier_run():
+            for name in os.listdir(out) if os.path.isdir(out) else []:
                 path = os.path.join(out, name)
                 if not (name in _RUN_OUTPUTS or name.startswith("checkpoint-")):
                     continue  # not written by a run (e.g. a wandb folder): left alone
@@ -223,7 +224,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
-        dist.barrier()  # no rank goes on while rank 0 is removing
+
+        # No rank goes on while rank 0 is removing (several 70B checkpoints can take long on a network file system).
+        run_on_rank0(remove_earlier_run, f"to remove the earlier run in {out}")
         return
     previous = previous_run(out)
     if not previous or (inside and resume != "auto") or (resume == "auto" and LATEST_NAME in previous):
