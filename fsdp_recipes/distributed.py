@@ -60,7 +60,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
 
 @contextlib.contextmanager
 def distributed(timeout_minutes: int = 30):
-    """Yield a DistEnv; on the way out, every rank leaves together and the process group is destroyed.
+    """Yield a DistEnv; when the work succeeds, every rank leaves together and the process groups are destroyed.
 
     Without the final barrier and destroy, a gloo rank can abort at interpreter exit ("terminate called without an
     active exception") after all the work is done, and the launcher reports the whole run as failed.
