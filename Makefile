@@ -29,8 +29,9 @@ demo: $(STAMP)
 	$(BIN)/python -m fsdp_recipes.demo evaluate --model $(DEMO_DIR)/output/final --data $(DEMO_DIR)/eval.jsonl \
 		--min_accuracy 0.9
 
+# The tests' temporary folders go in .pytest_tmp beside the checkout (removed at the next run), not in /tmp.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=10 tests
+	$(BIN)/python -m pytest -q --durations=10 --basetemp=.pytest_tmp tests
 
 # Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml (a hyphen
 # in MODEL becomes an underscore in the file names).

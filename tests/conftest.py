@@ -25,7 +25,7 @@ def subprocess_env(**extra: str) -> dict:
     return env
 
 
-def run(cmd: list[str], expect_rc: int = 0, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], expect_rc: int = 0, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
     """Run `cmd` in the repository root; on an unexpected exit code, fail with its output."""
     proc = subprocess.run(
         [str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout
