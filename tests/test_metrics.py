@@ -33,7 +33,7 @@ DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
 PROMPTS = ["reverse: abcd", "reverse: deadbeef"]
 
 
-def run_on_terminal(cmd: list, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+def run_on_terminal(cmd: list, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
     """Run cmd with stdout and stderr on a pseudo-terminal of 200 columns, as in a shell; its stdout is what the
     terminal received."""
     leader, follower = os.openpty()
