@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
 from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint, training_data_identity
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, check_token_ids, model_inputs, optimizer_step_batches
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
@@ -23,6 +23,25 @@ from .metrics import MetricsLogger
 from .progress import TrainingProgress, use_progress_bars
 from .schedule import count_total_steps
 from .sharding import gradient_sync, original_ndims
+
+
+class TrainingDiverged(ConfigError):
+    """The global gradient norm is not finite: the optimizer step has turned weights into NaN."""
+
+
+def check_finite_grad_norm(grad_norm: float, step: int, last_checked: int, cfg: TrainConfig) -> None:
+    """Stop a diverged run before it saves, evaluates or exports NaN weights (and retention removes good
+    checkpoints). The norm is global, so every rank stops at the same step."""
+    if math.isfinite(grad_norm):
+        return
+    since = f", finite at step {last_checked}" if last_checked else ""
+    raise TrainingDiverged(
+        f"training diverged: the gradient norm is {grad_norm} at step {step} (checked at logging, saving and "
+        f"evaluation steps{since}), so the optimizer step made weights NaN, and no checkpoint holds them (`latest` in "
+        f"{cfg.output_dir} names the newest, if any). Start again with a lower --learning_rate (now "
+        f"{cfg.learning_rate:g}) or a longer --warmup_steps (now {cfg.warmup_steps:g}): a resume keeps the learning "
+        f"rate and repeats the same steps"
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -154,9 +173,11 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's
     # host time says little; the interval's does. Evaluation and checkpoint saves are not counted.
     interval = {"seconds": 0.0, "steps": 0, "input_tokens": 0.0, "token_slots": 0.0, "rows": 0}
+    last_checked = start_step  # the last step whose gradient norm was checked and finite (a checkpoint's was)
     model.train()
     for step in range(start_step + 1, total_steps + 1):
         start = time.perf_counter()
+        log_now = step % cfg.logging_steps == 0 or step == total_steps
         evaluate_now = eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0)
                                                      or step == total_steps)
         save_now = cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps)
@@ -177,7 +198,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         interval["rows"] += cfg.per_device_train_batch_size * len(micro_batches) * env.world_size
         progress.advance()  # before progress.logged: the bar shows the step it counts with that step's loss
 
-        if step % cfg.logging_steps == 0 or step == total_steps:
+        if log_now:
             dist.all_reduce(loss_sum)
             loss = loss_sum.item() / label_tokens  # waits for the device: the interval's work is done
             memory = peak_memory_across_ranks(env.device)
@@ -213,6 +234,10 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                 torch.cuda.synchronize(env.device)  # the step's queued work belongs to the step, not the eval or save
             interval["seconds"] += time.perf_counter() - start
 
+        # Only where the run waits for the device anyway: a NaN step logs its metrics first, then stops the run.
+        if log_now or save_now or evaluate_now:
+            check_finite_grad_norm(grad_norm.item(), step, last_checked, cfg)
+            last_checked = step
         if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
             save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
                             logger.wandb_run_id, train_data)

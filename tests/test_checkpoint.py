@@ -8,6 +8,7 @@ world-size tests also FSDP1's.
 import dataclasses
 import errno
 import json
+import math
 import os
 import re
 import shlex
@@ -300,6 +301,26 @@ def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_
     # The LRs of the next step follow the loader's schedule (6 steps), also from the 2-step run's checkpoint.
     step = json.loads((checkpoint / "trainer_state.json").read_text())["step"]
     assert loaded["lr"] == loaded["group_lr"] == [scheduled_lr(step, total_steps=6)] * 2
+
+
+def test_a_run_that_diverges_on_one_rank_stops_before_saving_nan_weights(tiny, tmp_path):
+    # Rank 1's logits are NaN in step 3 only, a step that neither logs nor saves; the next check is step 4's save.
+    args = recipe_args(tiny, tmp_path, "--logging_steps", "4", "--save_total_limit", "1")
+    proc = torchrun("tests/drivers/nan_on_rank1.py", 3, *args, expect_rc=1)  # torchrun exits 1 for any failure
+    # The gradient norm is global: both ranks stop at step 4, neither waits in the save for the other.
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and errors[0] == errors[1], proc.stderr[-3000:]
+    assert errors[0].startswith("error: training diverged: the gradient norm is nan at step 4 (checked at logging, "
+                                "saving and evaluation steps, finite at step 2)"), errors[0]
+    assert "lower --learning_rate (now 0.01)" in errors[0]
+    # Step 4's metrics are logged (W&B and metrics.jsonl show the NaN), its weights are not saved, and retention
+    # (one checkpoint) kept step 2's.
+    assert [(m["step"], math.isnan(m["loss"]), math.isnan(m["grad_norm"]))
+            for m in read_metrics(tmp_path / "metrics.jsonl")] == [(4, True, True)]
+    assert (tmp_path / "latest").read_text() == "checkpoint-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "latest", "metrics.jsonl"]
+    weights = dcp_contents(tmp_path / "checkpoint-2" / "model", tmp_path)
+    assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 @pytest.mark.parametrize("mode, fmt", [("after_checkpoint", "full"), ("during_save", "sharded")])
