@@ -84,9 +84,12 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
             located = False
         elif text.startswith(turn):
             end, located = len(turn), True
-        else:  # the turn must still hold the whole assistant message
-            end = _turn_end_before_closing(text, turn, tokenizer)
-            located = end is not None and len(prompt) < end and message["content"].strip() in text[len(prompt):end]
+        else:  # the first of these ends whose turn holds the whole assistant message
+            ends = (_turn_end_before_closing(text, turn, tokenizer),
+                    _earlier_turn_end(text, turn, len(prompt), message["content"]))
+            end = next((end for end in ends if end is not None and len(prompt) < end
+                        and message["content"].strip() in text[len(prompt):end]), None)
+            located = end is not None
         if not located:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
@@ -111,6 +114,19 @@ def _turn_end_before_closing(text: str, turn: str, tokenizer):
     if not closing or shared == len(text_ids) or text_ids[-len(closing):] != closing:
         return None
     return encoded["offset_mapping"][shared][0]
+
+
+def _earlier_turn_end(text: str, turn: str, start: int, content: str):
+    """Where an earlier assistant turn ends in `text` when the template renders the last turn differently (Qwen3:
+    an empty <think> block only in the turns after the last user message): the message's content right at `start`
+    (after the generation prompt), then what `turn` puts after the content (Qwen3's `<|im_end|>\n`); None
+    otherwise, and when either is empty (a turn with no closing would not learn to stop)."""
+    if not content or content not in turn:
+        return None
+    closing = turn[turn.rindex(content) + len(content):]
+    if closing and text.startswith(content + closing, start):
+        return start + len(content) + len(closing)
+    return None
 
 
 def turn_closing_token_id(tokenizer) -> Optional[int]:

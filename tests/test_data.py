@@ -290,24 +290,123 @@ def test_llama3_turns_are_the_assistant_turns():
     assert [text[s:e] for s, e in spans] == ["ba<|eot_id|>", "dc<|eot_id|>"]
 
 
-def test_a_template_that_rewrites_an_earlier_turn_is_refused():
-    # Qwen3's rule: an empty <think> block only in the assistant turns after the last user message, so an earlier
-    # turn rendered alone differs from the whole chat inside the turn, not only at its end.
-    template = (
-        "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
-        "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
-        "{{ '<|im_start|>' + m.role + '\n' }}{% if m.role == 'assistant' and loop.index0 > ns.last_user %}"
-        "{{ '<think>\n\n</think>\n\n' }}{% endif %}{{ m.content + '<|im_end|>\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    )
-    tokenizer = char_tokenizer(template, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<think>", "</think>"])
-    repeated = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"},
-                             {"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]}
-    for chat in (CHAT, repeated):
-        with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
-            render_with_loss_spans(chat, "chat", tokenizer)
-    text, spans = render_with_loss_spans({"messages": CHAT["messages"][:2]}, "chat", tokenizer)
-    assert [text[s:e] for s, e in spans] == ["<think>\n\n</think>\n\nba<|im_end|>\n"]
+# The Qwen3 release's chat template (tokenizer_config.json of Qwen/Qwen3-0.6B, -1.7B, ...): an empty <think> block (non-thinking mode) only in the
+# assistant turns after the last user message, so an earlier turn rendered alone differs from the whole chat inside
+# the turn, not only at its end.
+QWEN3_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
+    tokenizer = char_tokenizer(QWEN3_TEMPLATE, None, "<|im_end|>",
+                               ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<think>", "</think>"])
+    text, spans = render_with_loss_spans(SYSTEM_CHAT, "chat", tokenizer)
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nab<|im_end|>\n"
+                    "<|im_start|>assistant\nba<|im_end|>\n<|im_start|>user\ncd<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>\n\n</think>\n\ndc<|im_end|>\n")
+    assert [text[s:e] for s, e in spans] == ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"]
+    labels = tokenize_example(SYSTEM_CHAT, "chat", tokenizer, max_seq_length=256)["labels"]
+    assert tokenizer.decode([t for t in labels if t != IGNORE_INDEX]) == "".join(text[s:e] for s, e in spans)
+    # The same answer twice: each turn is found at its own place.
+    repeated = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}] * 2}
+    text, spans = render_with_loss_spans(repeated, "chat", tokenizer)
+    first = "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\n"
+    second = first + "ba<|im_end|>\n" + first
+    assert [(s, text[s:e]) for s, e in spans] == [(len(first), "ba<|im_end|>\n"),
+                                                  (len(second), "<think>\n\n</think>\n\nba<|im_end|>\n")]
+    # An earlier turn with reasoning: the whole chat drops it, so that turn's content is not in the text.
+    reasoning = {"messages": [{"role": "user", "content": "ab"},
+                              {"role": "assistant", "content": "<think>\nswap\n</think>\n\nba"},
+                              {"role": "user", "content": "cd"}, {"role": "assistant", "content": "dc"}]}
+    with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+        render_with_loss_spans(reasoning, "chat", tokenizer)
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
