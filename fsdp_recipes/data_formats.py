@@ -81,16 +81,15 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
             header = render([{**message, "content": _STAND_IN}], False)
             prompt = header[: header.index(_STAND_IN)] if _STAND_IN in header else None
         if prompt is None or not text.startswith(prompt):
-            located = False
+            end = None
         elif text.startswith(turn):
-            end, located = len(turn), True
+            end = len(turn)
         else:  # the first of these ends whose turn holds the whole assistant message
             ends = (_turn_end_before_closing(text, turn, tokenizer),
                     _earlier_turn_end(text, turn, len(prompt), message["content"]))
             end = next((end for end in ends if end is not None and len(prompt) < end
                         and message["content"].strip() in text[len(prompt):end]), None)
-            located = end is not None
-        if not located:
+        if end is None:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
         spans.append((len(prompt), end))

@@ -5,7 +5,7 @@ numerical blow-up on one rank would make them.
 """
 
 import math
-import os
+import runpy
 import sys
 
 import torch.distributed as dist
@@ -31,8 +31,4 @@ def nan_logits_in_kth_step(model, *args, **kwargs):
 
 fsdp_recipes.trainer.forward_backward = nan_logits_in_kth_step
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
-from llama_sft import main  # noqa: E402
-from fsdp_recipes.cli import run_main  # noqa: E402
-
-run_main(main)
+runpy.run_path("recipes/llama_sft.py", run_name="__main__")
