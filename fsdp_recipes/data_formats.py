@@ -70,6 +70,15 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
     messages = _to_messages(example, fmt)
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     text = render(messages, False)
+    # A template may leave a message out (Mistral's writes the system message only when a user message ends the
+    # conversation): the model would be trained without it.
+    kept = [m["role"] == "assistant" or m["content"].strip() in text for m in messages]
+    if not all(kept):
+        left_out = kept.index(False)
+        raise ConfigError(f"the tokenizer's chat template leaves message {left_out} ({messages[left_out]['role']}) out "
+                          "of the conversation: move its content into a message the template keeps (a system "
+                          "message into the first user message), or use a tokenizer_name_or_path whose chat "
+                          "template keeps it")
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -161,6 +170,8 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
         text, spans = render_with_loss_spans(example, fmt, tokenizer)
     except jinja2.TemplateError as error:  # e.g. raise_exception('System role not supported') in the template
         raise ConfigError(f"row {row}: the tokenizer's chat template refuses this conversation: {error}") from None
+    except ConfigError as error:
+        raise ConfigError(f"row {row}: {error}") from None
     if not completion_only_loss or fmt == "text":
         spans = [(0, len(text))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

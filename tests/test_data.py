@@ -409,6 +409,177 @@ def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
         render_with_loss_spans(reasoning, "chat", tokenizer)
 
 
+# The Qwen2.5 release's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct): ChatML, with Qwen's
+# default system message in a conversation that has none.
+QWEN25_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# mistralai/Mistral-Nemo-Instruct-2407's chat template (its tokenizer_config.json; model_type mistral): the system
+# message goes into the last user turn only.
+MISTRAL_NEMO_TEMPLATE = r"""{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS][" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST]" + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST]" + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif (message.tool_calls is defined and message.tool_calls is not none) %}
+        {{- "[TOOL_CALLS][" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- message["content"] + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS]{"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+def test_qwen25_and_mistral_turns_are_the_assistant_turns():
+    tokenizer = char_tokenizer(QWEN25_TEMPLATE, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
+    assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+                    "<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nba<|im_end|>\n"
+                    "<|im_start|>user\ncd<|im_end|>\n<|im_start|>assistant\ndc<|im_end|>\n")
+    assert [text[s:e] for s, e in spans] == ["ba<|im_end|>\n", "dc<|im_end|>\n"]
+    tokenizer = char_tokenizer(MISTRAL_NEMO_TEMPLATE, "<s>", "</s>", ["<s>", "</s>", "[INST]", "[/INST]"])
+    text, spans = render_with_loss_spans(CHAT, "chat", tokenizer)
+    assert text == "<s>[INST]ab[/INST]ba</s>[INST]cd[/INST]dc</s>"
+    assert [text[s:e] for s, e in spans] == ["ba</s>", "dc</s>"]
+    out = tokenize_example(CHAT, "chat", tokenizer, 64)
+    assert loss_tokens(out, tokenizer) == ["b", "a", "</s>", "d", "c", "</s>"]
+    # The template writes a system message only when a user message ends the conversation, so training data, which
+    # ends with an answer, would lose it.
+    for chat in [SYSTEM_CHAT, {"messages": SYSTEM_CHAT["messages"][:3]}]:
+        with pytest.raises(ConfigError, match=r"^the tokenizer's chat template leaves message 0 \(system\) out of "
+                                              r"the conversation: move its content into a message the template keeps"):
+            render_with_loss_spans(chat, "chat", tokenizer)
+
+
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     """GPT-2's, Llama 3's and Qwen's kind of tokenizer: a word's token holds the space before it ('Ġyes')."""
     backend = Tokenizer(models.BPE())
@@ -719,6 +890,10 @@ def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
     with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template refuses this "
                                           r"conversation: System role not supported$"):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
+    tokenizer.chat_template = MISTRAL_NEMO_TEMPLATE
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template leaves "
+                                          r"message 0 \(system\) out of the conversation"):
+        build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
 
 
 def test_a_data_set_name_may_start_with_the_home_folder(tmp_path, monkeypatch):
@@ -822,9 +997,12 @@ def test_eval_settings_are_checked():
 
 
 @pytest.mark.parametrize("template, closing", [(LLAMA32_TEMPLATE, "<|eot_id|>"), (GEMMA2_TEMPLATE, "<end_of_turn>"),
-                                               (PHI35_TEMPLATE, "<|end|>"), (DEFAULT_CHAT_TEMPLATE, "<|endoftext|>")])
+                                               (PHI35_TEMPLATE, "<|end|>"), (QWEN25_TEMPLATE, "<|im_end|>"),
+                                               (MISTRAL_NEMO_TEMPLATE, "<|endoftext|>"),
+                                               (DEFAULT_CHAT_TEMPLATE, "<|endoftext|>")])
 def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
     special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<end_of_turn>",
-               "<start_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|endoftext|>", "<bos>"]
+               "<start_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|im_start|>", "<|im_end|>",
+               "[INST]", "[/INST]", "<|endoftext|>", "<bos>"]
     tokenizer = char_tokenizer(template, "<bos>", "<|endoftext|>", special)
     assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing
