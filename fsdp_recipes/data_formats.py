@@ -25,6 +25,11 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Llama 3.x's chat templates write "Today Date: <date_string>", today's date unless date_string is given. Pinned to
+# the templates' own fallback, so that the tokens do not change with the day: a resume on another day, or a second
+# run of the same config, tokenizes the same data.
+CHAT_TEMPLATE_DATE_STRING = "26 Jul 2024"
+
 
 def detect_format(columns: list[str], forced: str = "auto") -> str:
     """The first format whose columns are all present, or `forced`; either way its columns must exist."""
@@ -68,7 +73,8 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         text = bos + example["prompt"] + example["completion"] + tokenizer.eos_token
         return text, [(len(bos) + len(example["prompt"]), len(text))]
     messages = _to_messages(example, fmt)
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
+                                                             date_string=CHAT_TEMPLATE_DATE_STRING)
     text = render(messages, False)
     # A template may leave a message out (Mistral's writes the system message only when a user message ends the
     # conversation): the model would be trained without it.
