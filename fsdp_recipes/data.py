@@ -6,7 +6,9 @@ Sources and splits live in `data_sources`, formats and loss masks in `data_forma
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
@@ -21,8 +23,15 @@ from .data_sources import carve_eval, load_sources, parse_column_mapping, parse_
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 
 
-def _tokenize_row(example: dict, row: int, **kwargs) -> dict:
-    # map(with_indices=True) passes the row number as the second positional argument.
+# datasets keys a map's cache by its function's name and arguments, not by the code the function runs: the hash of
+# the data code goes into the arguments, so that changed code (a new version, an edited copy) tokenizes again
+# instead of reading what the old code wrote.
+DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
+                                         for name in ("data.py", "data_formats.py", "data_sources.py"))).hexdigest()
+
+
+def _tokenize_row(example: dict, row: int, data_code: str, **kwargs) -> dict:
+    # map(with_indices=True) passes the row number as the second positional argument; data_code is the cache's only.
     return tokenize_example(example, row=row, **kwargs)
 
 
@@ -32,7 +41,7 @@ def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
-                       "completion_only_loss": cfg.completion_only_loss},
+                       "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH},
         )
     except ConfigError as error:
         raise ConfigError(f"{what}: {error}") from None

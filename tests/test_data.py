@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from fsdp_recipes import demo
+from fsdp_recipes import data as data_module, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
                                optimizer_step_batches, pack_examples)
@@ -793,13 +793,18 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys
     assert "2 longer than max_seq_length=16 (dropped)" in capsys.readouterr().out
 
 
-def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd):
+def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd, monkeypatch):
     demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
     first, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
     assert "Tokenizing" in capfd.readouterr().err  # the progress bar
     second, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
     assert "Tokenizing" not in capfd.readouterr().err
     assert first.cache_files == second.cache_files and list(first["input_ids"]) == list(second["input_ids"])
+    # Changed data code (another version of the project, an edited copy) does not read the old code's output.
+    monkeypatch.setattr(data_module, "DATA_CODE_HASH", "another version")
+    third, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
+    assert "Tokenizing" in capfd.readouterr().err
+    assert first.cache_files != third.cache_files and list(first["input_ids"]) == list(third["input_ids"])
 
 
 def bad_input_cases(tmp_path):
