@@ -31,7 +31,7 @@ DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_byt
 
 
 def _tokenize_row(example: dict, row: int, data_code: str, **kwargs) -> dict:
-    # map(with_indices=True) passes the row number as the second positional argument; data_code is the cache's only.
+    # map(with_indices=True) passes the row number as the second positional argument; data_code only keys the cache.
     return tokenize_example(example, row=row, **kwargs)
 
 
