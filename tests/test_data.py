@@ -468,7 +468,7 @@ QWEN25_TEMPLATE = r"""{%- if tools %}
 """
 
 # mistralai/Mistral-Nemo-Instruct-2407's chat template (its tokenizer_config.json; model_type mistral): the system
-# message goes into the last user turn only.
+# message goes into the last message only, and only when that is a user message.
 MISTRAL_NEMO_TEMPLATE = r"""{%- if messages[0]["role"] == "system" %}
     {%- set system_message = messages[0]["content"] %}
     {%- set loop_messages = messages[1:] %}
