@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import jinja2
@@ -46,14 +47,69 @@ def check_messages(messages, row: int) -> None:
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"row {row}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r}")
     for i, message in enumerate(messages):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls is not None:
+            check_tool_calls(message, f"row {row}: message {i}")
+        content = message.get("content") if isinstance(message, dict) else None
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ConfigError(f"row {row}: message {i} needs a string 'role' and a string 'content', got {message!r}")
+                and (isinstance(content, str) or (content is None and calls))):
+            raise ConfigError(f"row {row}: message {i} needs a string 'role' and a string 'content' (which an "
+                              f"assistant message with tool_calls may leave out), got {message!r}")
+
+
+def check_tool_calls(message: dict, where: str) -> None:
+    """An assistant message's `tool_calls`: a list of {function: {name, arguments}} (or of {name, arguments})."""
+    calls = message["tool_calls"] if isinstance(message["tool_calls"], list) else [None]
+    functions = [call.get("function", call) if isinstance(call, dict) else None for call in calls]
+    if message.get("role") != "assistant" or not all(
+            isinstance(function, dict) and isinstance(function.get("name"), str) for function in functions):
+        raise ConfigError(f"{where}: 'tool_calls' must be a list of calls ({{function: {{name, arguments}}}}) of an "
+                          f"assistant message, got {message!r}")
+
+
+def check_tools(tools, row: int) -> None:
+    """A row's `tools`, as apply_chat_template takes them: a list of function definitions (JSON schemas), or null."""
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+        raise ConfigError(f"row {row}: 'tools' must be a list of function definitions ({{type, function}}) or null, "
+                          f"got {tools!r}")
+
+
+def _without_none(value):
+    """`value` without the None entries of its dicts, at every depth. A data set read into Arrow columns gives every
+    message every key of the schema, None where the message has none (a `tool_calls` on every message, a missing
+    argument on every call), and templates test whether a key is there: None stands for absent."""
+    if isinstance(value, dict):
+        return {key: _without_none(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_none(item) for item in value]
+    return value
+
+
+def _chat_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates expect them: no None entries, no empty `tool_calls`, a tool call's
+    arguments as a dict (OpenAI's format gives them as a JSON string, which templates would write escaped:
+    Llama 3's and Qwen2.5's write `arguments | tojson`), and content "" for a tool call without text."""
+    normalized = []
+    for i, message in enumerate(_without_none(messages)):
+        if not message.get("tool_calls"):
+            message.pop("tool_calls", None)
+        message.setdefault("content", "")
+        for call in message.get("tool_calls", []):
+            function = call.get("function", call)
+            if isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except json.JSONDecodeError as error:
+                    raise ConfigError(f"message {i}: the arguments of tool call {function.get('name')!r} are a string "
+                                      f"that is not JSON ({error.msg}): give them as an object, or as a JSON string "
+                                      "of one") from None
+        normalized.append(message)
+    return normalized
 
 
 def _to_messages(example: dict, fmt: str) -> list[dict]:
     if fmt == "chat":
-        return example["messages"]
+        return _chat_messages(example["messages"])
     user = example["instruction"]
     if example.get("input"):
         user = f"{user}\n\n{example['input']}"
@@ -61,6 +117,33 @@ def _to_messages(example: dict, fmt: str) -> list[dict]:
 
 
 _STAND_IN = "\x00"  # content no real message holds, to find where a template puts a message's content
+
+
+def _check_nothing_left_out(messages: list[dict], tools: Optional[list], text: str, render) -> None:
+    """Stop where the template leaves part of the conversation out of its rendering `text`: the model would be
+    trained without it. A user, system or tool message (Mistral's templates write the system message only when a
+    user message ends the conversation), an assistant message's tool calls or the row's tools (a template without
+    tool support drops them)."""
+    # Content found as written is there. Other content may be written escaped (Llama 3 writes a tool result as a
+    # JSON string): it is replaced by a marker, which JSON and trimming leave as it is, and looked for again.
+    unseen = [i for i, m in enumerate(messages) if m["role"] != "assistant" and m["content"].strip() not in text]
+    if unseen:
+        marked = render([{**m, "content": f"[message {i}]"} if i in unseen else m for i, m in enumerate(messages)])
+        missing = next((i for i in unseen if f"[message {i}]" not in marked), None)
+        if missing is not None:
+            raise ConfigError(f"the tokenizer's chat template leaves message {missing} ({messages[missing]['role']}) "
+                              "out of the conversation: move its content into a message the template keeps (a system "
+                              "message into the first user message), or use a tokenizer_name_or_path whose chat "
+                              "template keeps it")
+    calls_left_out = next((i for i, m in enumerate(messages)
+                           if any(call.get("function", call)["name"] not in text for call in m.get("tool_calls", []))),
+                          None)
+    what = (f"the tool calls of message {calls_left_out}" if calls_left_out is not None
+            else "the row's tools" if tools and render(messages, tools=None) == text else None)
+    if what:
+        raise ConfigError(f"the tokenizer's chat template leaves {what} out of the conversation: use a "
+                          "tokenizer_name_or_path whose chat template writes tools and tool calls (the default "
+                          "template, for a tokenizer without one, writes neither)")
 
 
 def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
@@ -73,27 +156,20 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         text = bos + example["prompt"] + example["completion"] + tokenizer.eos_token
         return text, [(len(bos) + len(example["prompt"]), len(text))]
     messages = _to_messages(example, fmt)
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen,
-                                                             date_string=CHAT_TEMPLATE_DATE_STRING)
-    text = render(messages, False)
-    # A template may leave a message out (Mistral's writes the system message only when a user message ends the
-    # conversation): the model would be trained without it.
-    kept = [m["role"] == "assistant" or m["content"].strip() in text for m in messages]
-    if not all(kept):
-        left_out = kept.index(False)
-        raise ConfigError(f"the tokenizer's chat template leaves message {left_out} ({messages[left_out]['role']}) out "
-                          "of the conversation: move its content into a message the template keeps (a system "
-                          "message into the first user message), or use a tokenizer_name_or_path whose chat "
-                          "template keeps it")
+    tools = _without_none(example.get("tools")) or None  # [] too: Llama 3's template writes a tool header for []
+    render = lambda msgs, gen=False, tools=tools: tokenizer.apply_chat_template(
+        msgs, tools=tools, tokenize=False, add_generation_prompt=gen, date_string=CHAT_TEMPLATE_DATE_STRING)
+    text = render(messages)
+    _check_nothing_left_out(messages, tools, text, render)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        turn = render(messages[: i + 1], False)
+        turn = render(messages[: i + 1])
         if i:
             prompt = render(messages[:i], True)
         else:  # no conversation renders empty: an opening assistant turn starts where a stand-in content does
-            header = render([{**message, "content": _STAND_IN}], False)
+            header = render([{**message, "content": _STAND_IN}])
             prompt = header[: header.index(_STAND_IN)] if _STAND_IN in header else None
         if prompt is None or not text.startswith(prompt):
             end = None
@@ -101,14 +177,20 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
             end = len(turn)
         else:  # the first of these ends whose turn holds the whole assistant message
             ends = (_turn_end_before_closing(text, turn, tokenizer),
-                    _earlier_turn_end(text, turn, len(prompt), message["content"]))
+                    _earlier_turn_end(text, turn, len(prompt)))
             end = next((end for end in ends if end is not None and len(prompt) < end
-                        and message["content"].strip() in text[len(prompt):end]), None)
+                        and _holds(text[len(prompt):end], message)), None)
         if end is None:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
         spans.append((len(prompt), end))
     return text, spans
+
+
+def _holds(turn_text: str, message: dict) -> bool:
+    """Whether the rendered `turn_text` holds the assistant message's content and the names of its tool calls."""
+    names = [call.get("function", call)["name"] for call in message.get("tool_calls", [])]
+    return all(part in turn_text for part in [message["content"].strip(), *names])
 
 
 def _turn_end_before_closing(text: str, turn: str, tokenizer):
@@ -130,16 +212,19 @@ def _turn_end_before_closing(text: str, turn: str, tokenizer):
     return encoded["offset_mapping"][shared][0]
 
 
-def _earlier_turn_end(text: str, turn: str, start: int, content: str):
-    """Where an earlier assistant turn ends in `text` when the template renders the last turn differently (Qwen3:
-    an empty <think> block only in the turns after the last user message): the message's content right at `start`
-    (after the generation prompt), then what `turn` puts after the content (Qwen3's `<|im_end|>\n`); None
-    otherwise, and when either is empty (a turn with no closing would not learn to stop)."""
-    if not content or content not in turn:
+def _earlier_turn_end(text: str, turn: str, start: int):
+    """Where an earlier assistant turn ends in `text` when the template renders the last turn differently (Qwen3
+    writes an empty <think> block only into the last turn): the end of the longest tail of `turn` (the turn rendered
+    as the last message) that `text` holds right at `start`, after the generation prompt; None if none does. The
+    tail is the turn's content, or its tool calls, and what closes it (Qwen3's `<|im_end|>\n`)."""
+    if start >= len(text):
         return None
-    closing = turn[turn.rindex(content) + len(content):]
-    if closing and text.startswith(content + closing, start):
-        return start + len(content) + len(closing)
+    # Only tails that start with the character `text` has at `start` can match; the first found is the longest.
+    tail_start = turn.find(text[start], start)
+    while tail_start != -1:
+        if text.startswith(turn[tail_start:], start):
+            return start + len(turn) - tail_start
+        tail_start = turn.find(text[start], tail_start + 1)
     return None
 
 
@@ -169,6 +254,10 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     """
     if fmt == "chat":
         check_messages(example["messages"], row)
+        check_tools(example.get("tools"), row)
+    elif example.get("tools"):
+        raise ConfigError(f"row {row}: a 'tools' column is read with chat data (a 'messages' column) only, and this "
+                          f"data set is read as {fmt}: write the rows as messages, or remove the column")
     for column in FORMATS[fmt]:
         if fmt != "chat" and not isinstance(example[column], str):
             raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")

@@ -7,6 +7,8 @@ import string
 
 import datasets
 import huggingface_hub
+import pyarrow
+import pyarrow.parquet
 import pytest
 import torch
 import torch.distributed as dist
@@ -290,9 +292,9 @@ def test_llama3_turns_are_the_assistant_turns():
     assert [text[s:e] for s, e in spans] == ["ba<|eot_id|>", "dc<|eot_id|>"]
 
 
-# The Qwen3 release's chat template (tokenizer_config.json of Qwen/Qwen3-0.6B, -1.7B, ...): an empty <think> block (non-thinking mode) only in the
-# assistant turns after the last user message, so an earlier turn rendered alone differs from the whole chat inside
-# the turn, not only at its end.
+# The Qwen3 release's chat template (tokenizer_config.json of Qwen/Qwen3-0.6B, -1.7B, ...): an empty <think> block
+# (non-thinking mode) only in the last turn, so an earlier turn rendered alone differs from the whole chat inside the
+# turn, not only at its end.
 QWEN3_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -578,6 +580,96 @@ def test_qwen25_and_mistral_turns_are_the_assistant_turns():
         with pytest.raises(ConfigError, match=r"^the tokenizer's chat template leaves message 0 \(system\) out of "
                                               r"the conversation: move its content into a message the template keeps"):
             render_with_loss_spans(chat, "chat", tokenizer)
+
+
+# A tool-calling conversation in transformers' (and OpenAI's) chat format: the row's tools, a call without content,
+# the tool's result, the answer.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHAT = {"messages": [{"role": "user", "content": "Paris?"}, {"role": "assistant", "tool_calls": [CALL]},
+                          {"role": "tool", "content": '{"temp": 20}'}, {"role": "assistant", "content": "20 C."}],
+             "tools": TOOLS}
+
+
+def test_tool_calls_and_answers_are_learnt_with_the_tools_and_results_in_the_prompt():
+    llama = char_tokenizer(LLAMA32_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                           ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    qwen = ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
+    calls = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    cases = [  # tokenizer, the turns that carry loss, how the template writes the tool's result
+        (llama, ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>', "20 C.<|eot_id|>"],
+         '<|start_header_id|>ipython<|end_header_id|>\n\n"{\\"temp\\": 20}"<|eot_id|>'),  # a JSON string: escaped
+        (char_tokenizer(QWEN25_TEMPLATE, None, "<|im_end|>", qwen), [calls, "20 C.<|im_end|>\n"],
+         '<|im_start|>user\n<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n'),
+        # Qwen3 writes the empty think block into the last turn only: the call is found without one.
+        (char_tokenizer(QWEN3_TEMPLATE, None, "<|im_end|>", qwen), [calls, "<think>\n\n</think>\n\n20 C.<|im_end|>\n"],
+         '<|im_start|>user\n<tool_response>\n{"temp": 20}\n</tool_response><|im_end|>\n'),
+    ]
+    for tokenizer, turns, result in cases:
+        text, spans = render_with_loss_spans(TOOL_CHAT, "chat", tokenizer)
+        assert [text[s:e] for s, e in spans] == turns
+        assert '"description": "The weather of a city"' in text[:spans[0][0]]  # the row's tools, before the call
+        assert text[spans[0][1]:spans[1][0]].startswith(result)
+        out = tokenize_example(TOOL_CHAT, "chat", tokenizer, 1024)
+        assert "".join(loss_tokens(out, tokenizer)) == "".join(turns)
+        # OpenAI's format (arguments as a JSON string, content None) as Arrow reads it (every message has every key,
+        # None where it has none): the same text and spans.
+        call = {**TOOL_CHAT["messages"][1], "content": None,
+                "tool_calls": [{**CALL, "function": {**CALL["function"], "arguments": '{"city": "Paris"}'}}]}
+        others = [{"tool_calls": None, **message} for message in TOOL_CHAT["messages"]]
+        arrow = {"messages": [others[0], call, *others[2:]],
+                 "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": None}}]}
+        assert render_with_loss_spans(arrow, "chat", tokenizer) == (text, spans)
+
+
+def test_tool_rows_read_from_parquet_give_the_tokens_of_the_json_lines(tmp_path):
+    # Parquet holds one schema for all rows: every message gets a tool_calls (None), the call a content (None), and
+    # a row without tools gets tools None.
+    rows = [TOOL_CHAT, CHAT]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    stored = pyarrow.parquet.read_table(tmp_path / "tools.parquet").to_pylist()
+    assert stored[0]["messages"][0]["tool_calls"] is None and stored[1]["tools"] is None
+    demo.write_jsonl(tmp_path / "tools.jsonl", rows)
+    tokenizer = char_tokenizer(QWEN25_TEMPLATE, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    expected = [tokenize_example(row, "chat", tokenizer, 1024) for row in rows]
+    for name in ("tools.parquet", "tools.jsonl"):
+        train, _ = build_datasets(cfg(tmp_path / name, max_seq_length=1024), tokenizer)
+        assert train["input_ids"] == [out["input_ids"] for out in expected]
+        assert train["labels"] == [out["labels"] for out in expected]
+
+
+def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
+    calls_only = char_tokenizer("{% for m in messages %}{{ m.role + ': ' + m.content }}"
+                                "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}{{ eos_token }}"
+                                "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+                                None, "</s>", ["</s>"])
+    for tokenizer, message in [(TOKENIZER, "the tool calls of message 1"), (calls_only, "the row's tools")]:
+        demo.write_jsonl(tmp_path / "tools.jsonl", [CHAT, TOOL_CHAT])
+        with pytest.raises(ConfigError, match=rf"tools.jsonl \[train\]: row 1: the tokenizer's chat template leaves "
+                                              rf"{message} out of the conversation: use a tokenizer_name_or_path whose "
+                                              "chat template writes tools and tool calls"):
+            build_datasets(cfg(tmp_path / "tools.jsonl"), tokenizer)
+    messages = TOOL_CHAT["messages"]
+    for row, error in [
+        ({"messages": [{**messages[0], "tool_calls": [CALL]}] + messages[1:]},
+         r"row 0: message 0: 'tool_calls' must be a list of calls \(\{function: \{name, arguments\}\}\) of an "
+         r"assistant message"),
+        ({"messages": [messages[0], {**messages[1], "tool_calls": [{"function": {"arguments": {}}}]}]},
+         r"row 0: message 1: 'tool_calls' must be a list of calls"),
+        ({**TOOL_CHAT, "tools": "get_weather"}, r"row 0: 'tools' must be a list of function definitions"),
+        ({"prompt": "a", "completion": "b", "tools": TOOLS}, r"row 0: a 'tools' column is read with chat data \(a "
+                                                             r"'messages' column\) only, and this data set is read as "
+                                                             r"prompt_completion"),
+        ({"messages": [messages[0], {**messages[1], "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": "city=Paris"}}]}]},
+         r"row 0: message 1: the arguments of tool call 'get_weather' are a string that is not JSON \(Expecting "
+         r"value\): give them as an object, or as a JSON string of one"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            tokenize_example(row, detect_format(list(row)), char_tokenizer(QWEN25_TEMPLATE, None, "<|im_end|>",
+                                                                           ["<|im_end|>"]), 1024)
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
@@ -966,7 +1058,8 @@ def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
                     tmp_path / "msgs.jsonl", "--output_dir", tmp_path / "out", expect_rc=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 2: message 0 needs a string 'role' and a string "
-                      "'content', got {'role': 'user'}"] * 2, proc.stderr
+                      "'content' (which an assistant message with tool_calls may leave out), got "
+                      "{'role': 'user'}"] * 2, proc.stderr
     assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
 
 
