@@ -50,6 +50,8 @@ def check_messages(messages, row: int) -> None:
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if calls is not None:
             check_tool_calls(message, f"row {row}: message {i}")
+        if isinstance(message, dict) and not isinstance(message.get("reasoning_content", ""), (str, type(None))):
+            raise ConfigError(f"row {row}: message {i}: 'reasoning_content' must be a string, got {message!r}")
         content = message.get("content") if isinstance(message, dict) else None
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
                 and (isinstance(content, str) or (content is None and calls))):
@@ -188,9 +190,11 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
 
 
 def _holds(turn_text: str, message: dict) -> bool:
-    """Whether the rendered `turn_text` holds the assistant message's content and the names of its tool calls."""
+    """Whether the rendered `turn_text` holds the assistant message's content, its reasoning (Qwen3's
+    `reasoning_content`, which that template drops from earlier turns) and the names of its tool calls."""
     names = [call.get("function", call)["name"] for call in message.get("tool_calls", [])]
-    return all(part in turn_text for part in [message["content"].strip(), *names])
+    parts = [message["content"].strip(), message.get("reasoning_content", "").strip(), *names]
+    return all(part in turn_text for part in parts)
 
 
 def _turn_end_before_closing(text: str, turn: str, tokenizer):

@@ -409,6 +409,13 @@ def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
                               {"role": "user", "content": "cd"}, {"role": "assistant", "content": "dc"}]}
     with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
         render_with_loss_spans(reasoning, "chat", tokenizer)
+    # The same with the reasoning in its own field, which the template writes into the last turn only.
+    separate = {"messages": [reasoning["messages"][0], {"role": "assistant", "content": "ba",
+                                                        "reasoning_content": "swap"}, *reasoning["messages"][2:]]}
+    text, spans = render_with_loss_spans({"messages": separate["messages"][:2]}, "chat", tokenizer)
+    assert [text[s:e] for s, e in spans] == ["<think>\nswap\n</think>\n\nba<|im_end|>\n"]
+    with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+        render_with_loss_spans(separate, "chat", tokenizer)
 
 
 # The Qwen2.5 release's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct): ChatML, with Qwen's
