@@ -48,7 +48,7 @@ def check_messages(messages, row: int) -> None:
         raise ConfigError(f"row {row}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r}")
     for i, message in enumerate(messages):
         calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if calls is not None:
+        if calls:  # an empty list is no call (JSON exports give every message one)
             check_tool_calls(message, f"row {row}: message {i}")
         if isinstance(message, dict) and not isinstance(message.get("reasoning_content", ""), (str, type(None))):
             raise ConfigError(f"row {row}: message {i}: 'reasoning_content' must be a string, got {message!r}")
@@ -99,8 +99,8 @@ def _chat_messages(messages: list[dict]) -> list[dict]:
         for call in message.get("tool_calls", []):
             function = call.get("function", call)
             if isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
+                try:  # None entries dropped as from an object, for the same text either way
+                    function["arguments"] = _without_none(json.loads(function["arguments"]))
                 except json.JSONDecodeError as error:
                     raise ConfigError(f"message {i}: the arguments of tool call {function.get('name')!r} are a string "
                                       f"that is not JSON ({error.msg}): give them as an object, or as a JSON string "
@@ -124,32 +124,56 @@ _STAND_IN = "\x00"  # content no real message holds, to find where a template pu
 def _check_nothing_left_out(messages: list[dict], tools: Optional[list], text: str, render) -> None:
     """Stop where the template leaves part of the conversation out of its rendering `text`: the model would be
     trained without it. A user, system or tool message (Mistral's templates write the system message only when a
-    user message ends the conversation), an assistant message's tool calls or the row's tools (a template without
-    tool support drops them)."""
-    # Content found as written is there. Other content may be written escaped (Llama 3 writes a tool result as a
-    # JSON string): it is replaced by a marker, which JSON and trimming leave as it is, and looked for again.
-    unseen = [i for i, m in enumerate(messages) if m["role"] != "assistant" and m["content"].strip() not in text]
-    if unseen:
-        marked = render([{**m, "content": f"[message {i}]"} if i in unseen else m for i, m in enumerate(messages)])
+    user message ends the conversation), the tool calls of an assistant message or the text beside them (Llama 3's
+    template drops that text), or the row's tools (a template without tool support drops them). Not the content of
+    other assistant messages: Qwen3's template drops an earlier turn's reasoning, which locating the turns refuses."""
+    checked = [i for i, m in enumerate(messages) if m["role"] != "assistant" or (m.get("tool_calls") and m["content"])]
+    unseen = [i for i in checked if messages[i]["content"].strip() not in text]
+    calls = [(i, j) for i, m in enumerate(messages) for j in range(len(m.get("tool_calls", [])))]
+    if unseen or calls:
+        # Content found as written is there, but it may also be written escaped (Llama 3 writes a tool result as a
+        # JSON string), and a call's name may stand elsewhere (in the tools): these are replaced by markers, which
+        # JSON and trimming leave as they are, and looked for.
+        marked = render([_with_markers(m, i, i in unseen) for i, m in enumerate(messages)])
         missing = next((i for i in unseen if f"[message {i}]" not in marked), None)
         if missing is not None:
-            raise ConfigError(f"the tokenizer's chat template leaves message {missing} ({messages[missing]['role']}) "
-                              "out of the conversation: move its content into a message the template keeps (a system "
-                              "message into the first user message), or use a tokenizer_name_or_path whose chat "
-                              "template keeps it")
-    calls_left_out = next((i for i, m in enumerate(messages)
-                           if any(call.get("function", call)["name"] not in text for call in m.get("tool_calls", []))),
-                          None)
-    what = (f"the tool calls of message {calls_left_out}" if calls_left_out is not None
-            else "the row's tools" if tools and render(messages, tools=None) == text else None)
-    if what:
-        raise ConfigError(f"the tokenizer's chat template leaves {what} out of the conversation: use a "
-                          "tokenizer_name_or_path whose chat template writes tools and tool calls (the default "
-                          "template, for a tokenizer without one, writes neither)")
+            role = messages[missing]["role"]
+            advice = {"system": "move its content into a message the template keeps (the first user message), or use "
+                                "a tokenizer_name_or_path whose chat template keeps it",
+                      "tool": "use a tokenizer_name_or_path whose chat template writes tool messages",
+                      "assistant": "leave out the text beside its tool calls, or use a tokenizer_name_or_path whose "
+                                   "chat template writes it"}.get(role, "move its content into a message the template "
+                                                                        "keeps, or use a tokenizer_name_or_path whose "
+                                                                        "chat template keeps it")
+            raise ConfigError(f"the tokenizer's chat template leaves message {missing} ({role}) out of the "
+                              f"conversation: {advice}")
+        dropped = next((i for i, j in calls if f"[call {i}.{j}]" not in marked), None)
+        if dropped is not None:
+            raise ConfigError(f"the tokenizer's chat template leaves the tool calls of message {dropped} out of the "
+                              f"conversation: {_USE_A_TOOL_TEMPLATE}")
+    if tools and render(messages, tools=None) == text:
+        raise ConfigError(f"the tokenizer's chat template leaves the row's tools out of the conversation: "
+                          f"{_USE_A_TOOL_TEMPLATE}")
 
 
-def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, list[tuple[int, int]]]:
-    """The example as one string, and the character spans of the assistant turns or the completion."""
+_USE_A_TOOL_TEMPLATE = ("use a tokenizer_name_or_path whose chat template writes tools and tool calls (the default "
+                        "template, for a tokenizer without one, writes neither)")
+
+
+def _with_markers(message: dict, i: int, mark_content: bool) -> dict:
+    """The message with its content (if `mark_content`) and the names of its tool calls replaced by markers."""
+    marked = {**message, "content": f"[message {i}]"} if mark_content else {**message}
+    if message.get("tool_calls"):
+        marked["tool_calls"] = [{**call, "function": {**call["function"], "name": f"[call {i}.{j}]"}}
+                                if "function" in call else {**call, "name": f"[call {i}.{j}]"}
+                                for j, call in enumerate(message["tool_calls"])]
+    return marked
+
+
+def render_with_loss_spans(example: dict, fmt: str, tokenizer, locate_turns: bool = True
+                           ) -> tuple[str, list[tuple[int, int]]]:
+    """The example as one string, and the character spans of the assistant turns or the completion (none for chat
+    without `locate_turns`)."""
     bos = tokenizer.bos_token or ""  # chat templates add their own BOS; plain text gets it here
     if fmt == "text":
         text = bos + example["text"] + tokenizer.eos_token
@@ -163,6 +187,8 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
         msgs, tools=tools, tokenize=False, add_generation_prompt=gen, date_string=CHAT_TEMPLATE_DATE_STRING)
     text = render(messages)
     _check_nothing_left_out(messages, tools, text, render)
+    if not locate_turns:
+        return text, []
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -181,7 +207,7 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
             ends = (_turn_end_before_closing(text, turn, tokenizer),
                     _earlier_turn_end(text, turn, len(prompt)))
             end = next((end for end in ends if end is not None and len(prompt) < end
-                        and _holds(text[len(prompt):end], message)), None)
+                        and _holds(text[len(prompt):end], message, turn[len(prompt):])), None)
         if end is None:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
@@ -189,11 +215,13 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer) -> tuple[str, lis
     return text, spans
 
 
-def _holds(turn_text: str, message: dict) -> bool:
-    """Whether the rendered `turn_text` holds the assistant message's content, its reasoning (Qwen3's
-    `reasoning_content`, which that template drops from earlier turns) and the names of its tool calls."""
+def _holds(turn_text: str, message: dict, alone: str) -> bool:
+    """Whether the rendered `turn_text` holds the assistant message's content, the names of its tool calls and its
+    reasoning (`reasoning_content`) where the template writes it into the turn rendered `alone` (Qwen3's writes it
+    into the last turn, and drops it from turns before the last user message)."""
     names = [call.get("function", call)["name"] for call in message.get("tool_calls", [])]
-    parts = [message["content"].strip(), message.get("reasoning_content", "").strip(), *names]
+    reasoning = message.get("reasoning_content", "").strip()
+    parts = [message["content"].strip(), *names, reasoning if reasoning in alone else ""]
     return all(part in turn_text for part in parts)
 
 
@@ -220,14 +248,15 @@ def _earlier_turn_end(text: str, turn: str, start: int):
     """Where an earlier assistant turn ends in `text` when the template renders the last turn differently (Qwen3
     writes an empty <think> block only into the last turn): the end of the longest tail of `turn` (the turn rendered
     as the last message) that `text` holds right at `start`, after the generation prompt; None if none does. The
-    tail is the turn's content, or its tool calls, and what closes it (Qwen3's `<|im_end|>\n`)."""
+    tail is the turn's content, or its tool calls, and what closes it (Qwen3's `<|im_end|>\n`); one of whitespace
+    alone holds neither."""
     if start >= len(text):
         return None
     # Only tails that start with the character `text` has at `start` can match; the first found is the longest.
     tail_start = turn.find(text[start], start)
     while tail_start != -1:
         if text.startswith(turn[tail_start:], start):
-            return start + len(turn) - tail_start
+            return start + len(turn) - tail_start if turn[tail_start:].strip() else None
         tail_start = turn.find(text[start], tail_start + 1)
     return None
 
@@ -266,7 +295,7 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
         if fmt != "chat" and not isinstance(example[column], str):
             raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
     try:
-        text, spans = render_with_loss_spans(example, fmt, tokenizer)
+        text, spans = render_with_loss_spans(example, fmt, tokenizer, locate_turns=completion_only_loss)
     except jinja2.TemplateError as error:  # e.g. raise_exception('System role not supported') in the template
         raise ConfigError(f"row {row}: the tokenizer's chat template refuses this conversation: {error}") from None
     except ConfigError as error:

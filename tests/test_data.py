@@ -126,6 +126,9 @@ def test_phi3_turns_end_before_the_eos_that_closes_only_the_whole_chat():
     assert [text[s:e] for s, e in spans] == ["ba<|end|>\n", "dc<|end|>\n<|endoftext|>"]
     out = tokenize_example(SYSTEM_CHAT, "chat", tokenizer, 128)
     assert loss_tokens(out, tokenizer) == ["b", "a", "<|end|>", "\n", "d", "c", "<|end|>", "\n", "<|endoftext|>"]
+    # Reasoning in its own field, which this template never writes, is no reason to refuse the turn.
+    reasoning = [{**m, "reasoning_content": "swap"} if m["role"] == "assistant" else m for m in SYSTEM_CHAT["messages"]]
+    assert render_with_loss_spans({"messages": reasoning}, "chat", tokenizer) == (text, spans)
 
 
 # google/gemma-3-1b-it's chat template (its tokenizer_config.json): the system message opens the first user turn.
@@ -416,6 +419,16 @@ def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
     assert [text[s:e] for s, e in spans] == ["<think>\nswap\n</think>\n\nba<|im_end|>\n"]
     with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
         render_with_loss_spans(separate, "chat", tokenizer)
+    # As the error says, without completion_only_loss such a conversation trains on all of its text, as written.
+    for chat in (reasoning, separate):
+        out = tokenize_example(chat, "chat", tokenizer, 256, completion_only_loss=False)
+        assert tokenizer.decode(out["input_ids"]) == tokenizer.apply_chat_template(chat["messages"], tokenize=False)
+        assert out["labels"][1:] == out["input_ids"][1:]
+    # An earlier answer of newlines only: no tail of its turn holds more than a newline, so it is not located.
+    blank = {"messages": [reasoning["messages"][0], {"role": "assistant", "content": "\n\n\n"},
+                          *reasoning["messages"][2:]]}
+    with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+        render_with_loss_spans(blank, "chat", tokenizer)
 
 
 # The Qwen2.5 release's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct): ChatML, with Qwen's
@@ -629,6 +642,9 @@ def test_tool_calls_and_answers_are_learnt_with_the_tools_and_results_in_the_pro
         arrow = {"messages": [others[0], call, *others[2:]],
                  "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": None}}]}
         assert render_with_loss_spans(arrow, "chat", tokenizer) == (text, spans)
+        # An empty tool_calls is no call (JSON exports give every message one).
+        empty = {**TOOL_CHAT, "messages": [{"tool_calls": [], **message} for message in TOOL_CHAT["messages"]]}
+        assert tokenize_example(empty, "chat", tokenizer, 1024) == out
 
 
 def test_tool_rows_read_from_parquet_give_the_tokens_of_the_json_lines(tmp_path):
@@ -659,6 +675,23 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
                                               "chat template writes tools and tool calls"):
             build_datasets(cfg(tmp_path / "tools.jsonl"), tokenizer)
     messages = TOOL_CHAT["messages"]
+    # Dropped calls are found by their names, which may stand elsewhere in the conversation too.
+    mentioned = {"messages": [{"role": "system", "content": "call get_weather"}, *messages]}
+    with pytest.raises(ConfigError, match=r"^row 0: the tokenizer's chat template leaves the tool calls of message 2 "
+                                          r"out of the conversation"):
+        tokenize_example(mentioned, "chat", char_tokenizer(DEFAULT_CHAT_TEMPLATE, None, "</s>", ["</s>"]), 1024)
+    # Llama 3's template drops the text beside a call, and Phi-3.5's drops tool messages.
+    beside = {**TOOL_CHAT, "messages": [messages[0], {**messages[1], "content": "Let me look."}, *messages[2:]]}
+    llama = char_tokenizer(LLAMA32_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>",
+                           ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+    phi = char_tokenizer(PHI35_TEMPLATE, "<s>", "<|endoftext|>", ["<s>", "<|endoftext|>", "<|end|>"])
+    for tokenizer, row, error in [
+            (llama, beside, r"message 1 \(assistant\) out of the conversation: leave out the text beside its "
+                            r"tool calls"),
+            (phi, TOOL_CHAT, r"message 2 \(tool\) out of the conversation: use a tokenizer_name_or_path whose chat "
+                             r"template writes tool messages")]:
+        with pytest.raises(ConfigError, match=r"^row 0: the tokenizer's chat template leaves " + error):
+            tokenize_example(row, "chat", tokenizer, 1024)
     for row, error in [
         ({"messages": [{**messages[0], "tool_calls": [CALL]}] + messages[1:]},
          r"row 0: message 0: 'tool_calls' must be a list of calls \(\{function: \{name, arguments\}\}\) of an "
