@@ -138,15 +138,8 @@ def _check_nothing_left_out(messages: list[dict], tools: Optional[list], text: s
         missing = next((i for i in unseen if f"[message {i}]" not in marked), None)
         if missing is not None:
             role = messages[missing]["role"]
-            advice = {"system": "move its content into a message the template keeps (the first user message), or use "
-                                "a tokenizer_name_or_path whose chat template keeps it",
-                      "tool": "use a tokenizer_name_or_path whose chat template writes tool messages",
-                      "assistant": "leave out the text beside its tool calls, or use a tokenizer_name_or_path whose "
-                                   "chat template writes it"}.get(role, "move its content into a message the template "
-                                                                        "keeps, or use a tokenizer_name_or_path whose "
-                                                                        "chat template keeps it")
             raise ConfigError(f"the tokenizer's chat template leaves message {missing} ({role}) out of the "
-                              f"conversation: {advice}")
+                              f"conversation: {_LEFT_OUT_ADVICE.get(role, _LEFT_OUT_ADVICE['user'])}")
         dropped = next((i for i, j in calls if f"[call {i}.{j}]" not in marked), None)
         if dropped is not None:
             raise ConfigError(f"the tokenizer's chat template leaves the tool calls of message {dropped} out of the "
@@ -156,6 +149,16 @@ def _check_nothing_left_out(messages: list[dict], tools: Optional[list], text: s
                           f"{_USE_A_TOOL_TEMPLATE}")
 
 
+# What to do about a message of each role that the template leaves out (a role not named here: as a user message).
+_LEFT_OUT_ADVICE = {
+    "user": "move its content into a message the template keeps, or use a tokenizer_name_or_path whose chat template "
+            "keeps it",
+    "system": "move its content into a message the template keeps (the first user message), or use a "
+              "tokenizer_name_or_path whose chat template keeps it",
+    "tool": "use a tokenizer_name_or_path whose chat template writes tool messages",
+    "assistant": "leave out the text beside its tool calls, or use a tokenizer_name_or_path whose chat template "
+                 "writes it",
+}
 _USE_A_TOOL_TEMPLATE = ("use a tokenizer_name_or_path whose chat template writes tools and tool calls (the default "
                         "template, for a tokenizer without one, writes neither)")
 
