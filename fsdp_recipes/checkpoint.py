@@ -208,19 +208,22 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     them."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
+    if resume and resume != "auto":
+        check_checkpoint_folder(resume)  # before anything is removed, and before the advice below assumes it is one
     # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
     inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
     if cfg.overwrite_output_dir:
         if inside:
             raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
                               f"{resume} resumes from one of them: pass only one of the two")
+        # Not written by a run (e.g. a wandb folder): left alone.
+        earlier = [os.path.join(out, name) for name in (os.listdir(out) if os.path.isdir(out) else [])
+                   if name in _RUN_OUTPUTS or name.startswith("checkpoint-")]
+        check_inputs_outside(cfg, earlier)
 
         def remove_earlier_run():
-            for name in os.listdir(out) if os.path.isdir(out) else []:
-                path = os.path.join(out, name)
-                if not (name in _RUN_OUTPUTS or name.startswith("checkpoint-")):
-                    continue  # not written by a run (e.g. a wandb folder): left alone
-                if os.path.isdir(path):
+            for path in earlier:
+                if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
@@ -248,14 +251,42 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                       f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
 
 
-def validate_checkpoint(path: str) -> dict:
-    """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable."""
+def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
+    """The model, tokenizer and data this run reads must not lie in what overwrite_output_dir removes (e.g. the
+    earlier run's final/ as the model to fine-tune further): they would be gone before the run reads them."""
+    inputs = [("model_name_or_path", cfg.model_name_or_path), ("tokenizer_name_or_path", cfg.tokenizer_name_or_path)]
+    inputs += [("dataset_name", name.strip()) for name in (cfg.dataset_name or "").split(",")]
+    for key, value in inputs:
+        if not value or not os.path.exists(value):
+            continue  # a Hub id
+        real = os.path.realpath(value)
+        for path in removed:
+            if os.path.commonpath([real, os.path.realpath(path)]) == os.path.realpath(path):
+                raise ConfigError(f"{key} {value} is in {path}, which overwrite_output_dir true removes before this "
+                                  f"run reads it: move it out of {cfg.output_dir}, or write this run to another "
+                                  f"output_dir")
+
+
+def check_checkpoint_folder(path: str) -> None:
+    """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead."""
     if path.rstrip("/").endswith(".tmp"):
         raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): resume from a checkpoint-<step> folder")
+    if os.path.isfile(os.path.join(path, STATE_NAME)):
+        return
+    if os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST_NAME)) or checkpoint_steps(path)):
+        held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
+        raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): resume from one of "
+                              f"its checkpoint-<step> folders, or pass --output_dir {path} --resume_from_checkpoint "
+                              f"auto to resume from the one its `latest` file names")
+    raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
+                          f"(expected a checkpoint-<step> folder written by this project)")
+
+
+def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")) -> dict:
+    """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable.
+    Checks the model, config.json and `parts` (the converter reads neither the optimizer state nor the RNG states)."""
+    check_checkpoint_folder(path)
     state_file = os.path.join(path, STATE_NAME)
-    if not os.path.isdir(path) or not os.path.isfile(state_file):
-        raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
-                              f"(expected a checkpoint-<step> folder written by this project)")
     try:
         with open(state_file) as f:
             state = json.load(f)
@@ -270,10 +301,11 @@ def validate_checkpoint(path: str) -> dict:
                     f.keys()
             except Exception as error:
                 raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
-    read_dcp_metadata(os.path.join(path, "optimizer"))
+    if "optimizer" in parts:
+        read_dcp_metadata(os.path.join(path, "optimizer"))
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path} is incomplete: config.json is missing")
-    for rank in range(state["world_size"]):
+    for rank in range(state["world_size"] if "rng" in parts else 0):
         rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
         if not os.path.isfile(rng_file):
             raise CheckpointError(f"{path} is incomplete: rng/rank_{rank}.pt is missing")
@@ -315,12 +347,9 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     state = validate_checkpoint(path)
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
-    current = model.config.to_dict()
-    differ = sorted(k for k in set(saved) | set(current)
-                    if k not in _RUNTIME_CONFIG_KEYS and saved.get(k) != current.get(k))
+    differ = model_config_differences(saved, model.config.to_dict())
     if differ:
-        details = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, model {current.get(k)!r}" for k in differ[:5])
-        raise CheckpointError(f"{path} was saved from a different model config ({details})")
+        raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
     length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
     if any(saved != now for saved, now in length.values()):
         print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
@@ -357,6 +386,21 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     return path
 
 
+def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """'key: checkpoint <value>, model <value>' for each entry that differs, sub-configs (a multimodal model's
+    text_config) entry by entry, with the runtime entries left out at every level."""
+    differ = []
+    for key in sorted(set(saved) | set(current)):
+        ours, theirs = saved.get(key), current.get(key)
+        if key in _RUNTIME_CONFIG_KEYS or ours == theirs:
+            continue
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            differ += model_config_differences(ours, theirs, f"{prefix}{key}.")
+        else:
+            differ.append(f"{prefix}{key}: checkpoint {ours!r}, model {theirs!r}")
+    return differ
+
+
 def latest_checkpoint(output_dir: str) -> Optional[str]:
     """The checkpoint `<output_dir>/latest` names, as rank 0 reads it (None: no `latest`), so that every rank resumes
     from the same one. Every rank calls this."""
@@ -366,6 +410,14 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
         with open(latest) as f:
             found[0] = os.path.join(output_dir, f.read().strip())
     dist.broadcast_object_list(found, src=0)
+    if found[0] is not None and not os.path.isdir(found[0]):
+        steps = checkpoint_steps(output_dir)
+        present = (f"{output_dir} holds {', '.join(f'checkpoint-{step}' for step in steps)}: pass "
+                   f"--resume_from_checkpoint {os.path.join(output_dir, f'checkpoint-{steps[-1]}')} (the newest) or "
+                   f"another of them" if steps else
+                   f"{output_dir} holds no checkpoint: start afresh with --overwrite_output_dir true")
+        raise CheckpointError(f"resume_from_checkpoint auto: `latest` names {found[0]}, which does not exist; "
+                              f"{present}")
     return found[0]
 
 
@@ -580,14 +632,23 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -
 
 def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
     """Keep the newest save_total_limit checkpoints, always including the one just saved (which `latest` names,
-    even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves."""
+    even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves.
+
+    The new checkpoint is complete by now: a folder that cannot be removed (on a network file system, while a file
+    in it is still open elsewhere) is a warning, not a failed save. Each save tries again."""
     for name in os.listdir(cfg.output_dir):
         if name.startswith("checkpoint-") and name.endswith((".tmp", ".old")):
             shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
     if cfg.save_total_limit:
         others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]
         for step in others[: max(0, len(others) - (cfg.save_total_limit - 1))]:
-            shutil.rmtree(os.path.join(cfg.output_dir, f"checkpoint-{step}"))
+            path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+            try:
+                os.replace(path, path + ".old")  # first: a folder half removed must not look like a checkpoint
+                shutil.rmtree(path + ".old")
+            except OSError as error:
+                print_line(f"warning: save_total_limit {cfg.save_total_limit}: {path} could not be removed "
+                           f"({type(error).__name__}: {error}); the next save tries again")
 
 
 # --- Load -------------------------------------------------------------------------------------------------------
@@ -596,9 +657,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and (same world size only) RNG states. Every rank calls this."""
     state = validate_checkpoint(path)
     load_model_weights(path, state["format"], model)
-    optim_sd = get_optimizer_state_dict(model, optimizer)
-    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "optimizer")))
-    set_optimizer_state_dict(model, optimizer, optim_sd)
+    load_optimizer_state(os.path.join(path, "optimizer"), model, optimizer)
     scheduler.load_state_dict(state["scheduler"])
     # The checkpoint's LRs (the param groups' and the scheduler's last) are its own run's schedule at this step; a
     # run whose length changed (max_steps, num_train_epochs) trains the next step with its own schedule's, as an
@@ -614,6 +673,25 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
                     f"{dist.get_world_size()}: RNG states are not restored")
     print_rank0(f"resumed from {path} at step {state['step']}")
     return state
+
+
+def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
+    """The optimizer state saved in the DCP folder `path`. A parameter that had no gradient before the save (a vision
+    tower on text-only data) has no state there, as in the run that saved it: it gets none here either, although
+    torch's get_optimizer_state_dict gives every parameter some to load into."""
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    # DCP's keys are "state.<fqn>.<name>" (step, exp_avg, ...) and "param_groups.<...>".
+    saved = {key[len("state."):key.rindex(".")] for key in read_dcp_metadata(path).state_dict_metadata
+             if key.startswith("state.")}
+    absent = [fqn for fqn in optim_sd["state"] if fqn not in saved]
+    for fqn in absent:
+        del optim_sd["state"][fqn]
+    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(path))
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=not absent))
+    if absent:
+        params = {state_dict_name(name): param for name, param in model.named_parameters()}
+        for fqn in absent:
+            optimizer.state.pop(params[fqn], None)
 
 
 def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:

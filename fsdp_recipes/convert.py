@@ -49,7 +49,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, max_shard_size="5GB") -> None:
     shard_size_in_bytes(max_shard_size)
-    state = validate_checkpoint(checkpoint)
+    state = validate_checkpoint(checkpoint, parts=())  # optimizer/ and rng/ may have been removed to save space
+    if os.path.commonpath([os.path.realpath(out_dir), os.path.realpath(checkpoint)]) == os.path.realpath(checkpoint):
+        # The checkpoint's extra files are copied into the output: an output inside it would be copied into itself.
+        raise CheckpointError(f"{out_dir} is inside the checkpoint {checkpoint}: choose an output folder outside it")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):

@@ -22,11 +22,12 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, get_scheduler
 
 import torch.distributed as dist
 
-from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, prepare_output_dir, resolve_resume,
+from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
+                                     model_config_differences, prepare_output_dir, resolve_resume,
                                      resolve_state_dict_type, save_checkpoint, training_data_identity,
                                      validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
@@ -35,7 +36,7 @@ from fsdp_recipes.data import build_datasets
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import shard_model
+from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
@@ -185,6 +186,41 @@ def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one
     assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """FSDP2's DTensor whole; FSDP1's and Adam's step count as they are."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_a_parameter_that_had_no_gradient_resumes_without_optimizer_state(tiny, tmp_path, one_process_group,
+                                                                          fsdp_version):
+    """A parameter without a gradient before the save (a vision tower on text-only data) has no Adam state in the
+    checkpoint; the resume must load the others and leave it without state, as the run that saved it."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--fsdp_version", fsdp_version)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    # A whole FSDP unit, as a vision tower's layers (FSDP1 cannot save state for part of a unit's flat parameter).
+    unused = {name for name, _ in model.named_parameters() if ".layers.1." in state_dict_name(name)}
+    for name, param in model.named_parameters():
+        param.grad = None if name in unused else torch.ones_like(param)
+    optimizer.step()
+    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 1, 0, None)
+
+    resumed = shard_model(load_model(cfg), resolve_plan(cfg))
+    resumed_optimizer = build_optimizer(resumed, cfg)
+    resumed_scheduler = get_scheduler("cosine", resumed_optimizer, num_warmup_steps=0, num_training_steps=6)
+    load_checkpoint(str(tmp_path / "checkpoint-1"), resumed, resumed_optimizer, resumed_scheduler)
+    saved = {state_dict_name(name): optimizer.state[param] for name, param in model.named_parameters()
+             if param in optimizer.state}
+    loaded = {state_dict_name(name): resumed_optimizer.state[param] for name, param in resumed.named_parameters()
+              if param in resumed_optimizer.state}
+    assert sorted(loaded) == sorted(saved) and len(saved) == len(dict(model.named_parameters())) - len(unused)
+    for name, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(full(loaded[name][key]), full(value)), (name, key)
+
+
 def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
     """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
     crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
@@ -233,6 +269,32 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
         (tmp_path / name).mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                         "--save_total_limit", "1"])
+    _apply_retention(cfg, saved_step=4)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
+
+
+def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp_path, monkeypatch, capsys):
+    # On NFS a folder holding a file still open elsewhere (.nfsXXXX) cannot be removed: EBUSY.
+    for name in ["checkpoint-2", "checkpoint-4"]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text("{}")
+    rmtree = shutil.rmtree
+
+    def busy(path, *args, **kwargs):
+        if not kwargs.get("ignore_errors"):
+            raise OSError(errno.EBUSY, "Device or resource busy", f"{path}/.nfs0001")
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", busy)
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_total_limit", "1"])
+    _apply_retention(cfg, saved_step=4)
+    assert capsys.readouterr().out == (
+        f"warning: save_total_limit 1: {tmp_path}/checkpoint-2 could not be removed (OSError: [Errno 16] Device or "
+        f"resource busy: '{tmp_path}/checkpoint-2.old/.nfs0001'); the next save tries again\n")
+    # Renamed before its removal began: no longer a checkpoint to resume from, and the next save removes it.
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.old", "checkpoint-4"]
+    monkeypatch.undo()
     _apply_retention(cfg, saved_step=4)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
@@ -403,6 +465,20 @@ def test_resume_into_a_different_model_is_refused_before_writing(tiny, reference
     assert snapshot(reference) == before
 
 
+def test_a_multimodal_config_is_compared_entry_by_entry_without_the_dtype():
+    # A checkpoint's config.json records float32 in every sub-config; a pure-bf16 run's model says bfloat16 there.
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=64)
+    model = Gemma3Config(text_config=text, vision_config=dict(hidden_size=16, num_hidden_layers=1))
+    model.dtype = model.text_config.dtype = model.vision_config.dtype = torch.bfloat16
+    saved = Gemma3Config.from_dict(json.loads(model.to_json_string()))
+    saved.dtype = saved.text_config.dtype = saved.vision_config.dtype = torch.float32
+    assert model_config_differences(saved.to_dict(), model.to_dict()) == []
+    saved.text_config.num_hidden_layers = 3
+    assert model_config_differences(saved.to_dict(), model.to_dict()) == [
+        "text_config.num_hidden_layers: checkpoint 3, model 2"]
+
+
 def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_path):
     checkpoint = reference / "checkpoint-6"
     # The README's command, with its example paths replaced.
@@ -419,8 +495,11 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
         assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
     assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
 
-    # Named chat templates: transformers 5 saves all but the default under additional_chat_templates/.
+    # Named chat templates: transformers 5 saves all but the default under additional_chat_templates/. The optimizer
+    # and RNG states, removed from old checkpoints to save space, are not needed.
     named = shutil.copytree(checkpoint, tmp_path / "checkpoint-named-templates")
+    shutil.rmtree(named / "optimizer")
+    shutil.rmtree(named / "rng")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.chat_template = {"default": "{{ messages[0].content }}", "tool_use": "{{ tools }}{{ messages }}"}
     tokenizer.save_pretrained(named)
@@ -456,6 +535,13 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(CheckpointError, match="a_file already exists and is a file, not a folder"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
+    # The checkpoint's own files are copied into the output: one inside it would be copied into itself.
+    before = snapshot(reference)
+    with pytest.raises(CheckpointError) as error:
+        convert(str(reference / "checkpoint-6"), str(reference / "checkpoint-6" / "hf"))
+    assert str(error.value) == (f"{reference}/checkpoint-6/hf is inside the checkpoint {reference}/checkpoint-6: "
+                                f"choose an output folder outside it")
+    assert snapshot(reference) == before
     with pytest.raises(ConfigError, match="max_shard_size must be a positive size such as 5GB, 500MB or 4GiB"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), max_shard_size="5G")
     # A failure while writing (a dtype safetensors cannot hold) removes the converter's own folder, nothing else.
@@ -494,11 +580,22 @@ def one_process_group():
 
 
 def config(tmp_path, *extra):
-    return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path), *extra])
+    return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                         *map(str, extra)])
 
 
-def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_process_group):
-    for name in ["checkpoint-4", "checkpoint-6", "checkpoint-8.tmp", "final", "wandb"]:
+def fake_checkpoint(path):
+    """A folder that passes for a checkpoint until its files are read."""
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text("{}")
+    return path
+
+
+def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory, one_process_group):
+    tmp_path, elsewhere = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("elsewhere")
+    for name in ["checkpoint-4", "checkpoint-6"]:
+        fake_checkpoint(tmp_path / name)
+    for name in ["checkpoint-8.tmp", "final", "wandb"]:
         (tmp_path / name).mkdir()
     (tmp_path / "latest").write_text("checkpoint-6")
     (tmp_path / "metrics.jsonl").write_text('{"step": 6}\n')
@@ -510,10 +607,43 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
         prepare_output_dir(config(tmp_path))
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))  # `latest` names the one to resume
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", str(tmp_path / "checkpoint-4")))
-    with pytest.raises(ConfigError, match="holds checkpoint-4, checkpoint-6, latest, final of another run than "
-                                          "/elsewhere/checkpoint-2's, which this run would overwrite or mix with its "
-                                          "own: pass --overwrite_output_dir true"):
-        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "/elsewhere/checkpoint-2"))
+    other_run = fake_checkpoint(elsewhere / "checkpoint-2")
+    with pytest.raises(ConfigError, match=f"holds checkpoint-4, checkpoint-6, latest, final of another run than "
+                                          f"{other_run}'s, which this run would overwrite or mix with its own: pass "
+                                          f"--overwrite_output_dir true"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", other_run))
+    # The output_dir itself is not a checkpoint: the advice is `auto`, not the flag that would remove its checkpoints.
+    for overwrite in [[], ["--overwrite_output_dir", "true"]]:
+        with pytest.raises(CheckpointError) as error:
+            prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", tmp_path, *overwrite))
+        assert str(error.value) == (
+            f"{tmp_path} is a run's output_dir, not a checkpoint (it holds checkpoint-4, checkpoint-6): resume from "
+            f"one of its checkpoint-<step> folders, or pass --output_dir {tmp_path} --resume_from_checkpoint auto to "
+            f"resume from the one its `latest` file names")
+    assert snapshot(tmp_path) == before
+    # A model or tokenizer in what overwrite_output_dir removes (the earlier run's final/) would be gone before
+    # the run reads it; a data file beside the run's outputs is not removed, and may stay there.
+    (tmp_path / "data.jsonl").write_text("{}")
+    for key, path in [("model_name_or_path", tmp_path / "final"), ("tokenizer_name_or_path", tmp_path / "final"),
+                      ("dataset_name", tmp_path / "checkpoint-4")]:
+        cfg = dataclasses.replace(config(tmp_path, "--overwrite_output_dir", "true", "--dataset_name",
+                                         tmp_path / "data.jsonl"), **{key: str(path)})
+        with pytest.raises(ConfigError) as error:
+            prepare_output_dir(cfg)
+        assert str(error.value) == (
+            f"{key} {path} is in {path}, which overwrite_output_dir true removes before this run reads it: move it "
+            f"out of {tmp_path}, or write this run to another output_dir")
+    assert snapshot(tmp_path) == {**before, "data.jsonl": 2}
+    os.remove(tmp_path / "data.jsonl")
+    # `latest` naming a checkpoint removed by hand (only the killed save's .tmp is left) names those still there.
+    (tmp_path / "latest").write_text("checkpoint-8")
+    with pytest.raises(CheckpointError) as error:
+        latest_checkpoint(str(tmp_path))
+    assert str(error.value) == (
+        f"resume_from_checkpoint auto: `latest` names {tmp_path}/checkpoint-8, which does not exist; {tmp_path} holds "
+        f"checkpoint-4, checkpoint-6: pass --resume_from_checkpoint {tmp_path}/checkpoint-6 (the newest) or another "
+        f"of them")
+    (tmp_path / "latest").write_text("checkpoint-6")
     with pytest.raises(ConfigError, match="overwrite_output_dir true removes the checkpoints in .* pass only one"):
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "true"))
     with pytest.raises(ConfigError, match="resumes from one of them"):
@@ -539,7 +669,7 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path, one_pr
 
 def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
     real, link = tmp_path / "real", tmp_path / "link"
-    (real / "checkpoint-4").mkdir(parents=True)
+    fake_checkpoint(real / "checkpoint-4")
     (real / "latest").write_text("checkpoint-4")
     link.symlink_to(real)
     for out, checkpoint in [(link, real / "checkpoint-4"), (real, link / "checkpoint-4")]:
@@ -562,8 +692,8 @@ def test_every_rank_must_see_the_same_output_dir(tmp_path):
             f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 finds no file "
             f"where rank 0 wrote one (FileNotFoundError)): put it on a shared file system")
         assert result["resume_auto"] == (
-            f"{tmp_path}/node0/checkpoint-2 is not a checkpoint: it has no trainer_state.json (expected a "
-            f"checkpoint-<step> folder written by this project)")
+            f"resume_from_checkpoint auto: `latest` names {tmp_path}/node0/checkpoint-2, which does not exist; "
+            f"{tmp_path}/node{rank} holds no checkpoint: start afresh with --overwrite_output_dir true")
 
 
 def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_process_group):
