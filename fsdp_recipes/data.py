@@ -15,11 +15,13 @@ import datasets
 import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
-from .data_sources import carve_eval, load_sources, parse_column_mapping, parse_weights, weighted_sample
+from .data_sources import (carve_eval, load_sources, parse_column_mapping, parse_weights, per_source,
+                           weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 
 
@@ -115,17 +117,22 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                     "layout with its EOS), saved with the model")
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
+    config_names = per_source(cfg.dataset_config_name, names, "dataset_config_name")
+    splits = per_source(cfg.dataset_split, names, "dataset_split")
+    eval_splits = per_source(cfg.eval_split, names, "eval_split")
+
     def build():
-        sources = load_sources(names, cfg.dataset_config_name, cfg.dataset_split, cfg.eval_split,
+        sources = load_sources(names, config_names, splits, eval_splits,
                                parse_column_mapping(cfg.dataset_column_mapping))
         train_parts, eval_parts = [], []
-        for name, weight, (raw_train, raw_eval) in zip(names, weights, sources):
+        for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
+                                                                           sources):
             fmt = detect_format(raw_train.column_names, cfg.dataset_format)
             # Tokenized before the eval carve so that an error names the row of the file.
-            train = _tokenize(raw_train, fmt, tokenizer, cfg, f"{name} [{cfg.dataset_split}]")
+            train = _tokenize(raw_train, fmt, tokenizer, cfg, f"{name} [{split}]")
             if raw_eval is not None:
                 eval_parts.append(_tokenize(raw_eval, detect_format(raw_eval.column_names, cfg.dataset_format),
-                                            tokenizer, cfg, f"{name} [{cfg.eval_split}]"))
+                                            tokenizer, cfg, f"{name} [{eval_split}]"))
             elif cfg.eval_fraction > 0:
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)
@@ -149,16 +156,30 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     return train, eval_set
 
 
-def check_token_ids(num_embeddings: int, *splits: Optional[datasets.Dataset]) -> None:
-    """Refuse token ids beyond the model's embedding table (a tokenizer with tokens the model lacks): on a GPU they
-    stop the run with a device-side assert on whichever rank draws such a row, far from the cause."""
+def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
+                           *splits: Optional[datasets.Dataset]) -> None:
+    """Refuse, before the first step, what would index past one of the model's tables: on a GPU that stops the run
+    with a device-side assert on whichever rank draws such a batch, far from the cause. Token ids beyond the
+    embedding table (a tokenizer with tokens the model lacks), in the data or as the padding; a max_seq_length
+    beyond the model's positions: learned position embeddings (GPT-2, BioGPT) have no row for them, and rotary
+    ones would run past the context the model was trained for."""
+    num_embeddings = model.get_input_embeddings().num_embeddings
+    resize = "or save the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"
+    if tokenizer.pad_token_id >= num_embeddings:
+        raise ConfigError(f"the tokenizer's pad token {tokenizer.pad_token!r} has id {tokenizer.pad_token_id}, and "
+                          f"the model's embedding table has {num_embeddings} rows: save the tokenizer with a pad "
+                          f"token the model has (e.g. its eos token), {resize}")
     for dataset in filter(None, splits):
         # Over the whole arrow table, rows held out by selections included: a few seconds for millions of rows.
         largest = pc.max(pc.list_flatten(dataset.data.column("input_ids"))).as_py()
         if largest >= num_embeddings:
             raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
-                              f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), or save the "
-                              f"model with its embeddings resized to the tokenizer first (resize_token_embeddings)")
+                              f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), "
+                              f"{resize}")
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if positions and max_seq_length > positions:
+        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's {positions} positions "
+                          f"(max_position_embeddings in its config.json): set max_seq_length {positions} or less")
 
 
 def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:

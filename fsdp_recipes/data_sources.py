@@ -63,7 +63,8 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     if config_name and (os.path.isfile(name) or _is_saved_folder(name)):
         raise ConfigError(f"dataset_config_name {config_name} is for a Hub data set (or a local copy of one); {name} "
                           f"is a {'file' if os.path.isfile(name) else 'save_to_disk folder'}: remove "
-                          "dataset_config_name")
+                          "dataset_config_name, or in a mixture give one per data set, empty for this one (such as "
+                          "',main')")
     if os.path.isfile(name):
         dataset = _take_split(name, split, instruction, {"train": lambda: _load_file(name)},
                               "a single file holds one split")
@@ -193,11 +194,26 @@ def rename_columns(dataset: datasets.Dataset, mapping: dict[str, str]) -> datase
     return dataset.rename_columns(present) if present else dataset
 
 
-def load_sources(names: list[str], config_name: Optional[str], split: str, eval_split: Optional[str],
+def per_source(value: Optional[str], names: list[str], key: str) -> list[Optional[str]]:
+    """A key's value for each data set of dataset_name: one value for all, or one per data set, comma-separated
+    (an empty one is none: `,main` gives the second data set's config only)."""
+    values = [v.strip() or None for v in value.split(",")] if value else [None]
+    if len(values) == 1:
+        return values * len(names)
+    if len(values) != len(names):
+        raise ConfigError(f"{key} has {len(values)} comma-separated values for {len(names)} data sets in dataset_name: "
+                          f"give one for all of them, or one per data set")
+    return values
+
+
+def load_sources(names: list[str], config_names: list[Optional[str]], splits: list[str],
+                 eval_splits: list[Optional[str]],
                  column_mapping: dict[str, str]) -> list[tuple[datasets.Dataset, Optional[datasets.Dataset]]]:
-    """(train, given eval split or None) per source, with columns renamed."""
+    """(train, given eval split or None) per source, with columns renamed; config and splits given per source."""
     sources = []
-    for name in names:
+    for name, config_name, split, eval_split in zip(names, config_names, splits, eval_splits, strict=True):
+        if split is None:
+            raise ConfigError(f"dataset_split gives no split for {name}: name one for each data set")
         train = load_split(name, config_name, split)
         held_out = load_split(name, config_name, eval_split) if eval_split else None
         sources.append((train, held_out))

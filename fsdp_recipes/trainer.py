@@ -14,7 +14,7 @@ from transformers import get_scheduler
 
 from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint, training_data_identity
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, build_dataloader, check_token_ids, model_inputs, optimizer_step_batches
+from .data import IGNORE_INDEX, build_dataloader, check_model_reads_data, model_inputs, optimizer_step_batches
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
 from .evaluation import eval_batches
@@ -141,7 +141,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
           resume_from: str | None = None, eval_dataset=None) -> None:
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end."""
-    check_token_ids(model.get_input_embeddings().num_embeddings, train_dataset, eval_dataset)
+    check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)

@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 from fsdp_recipes import data as data_module, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
-from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, collate, model_inputs,
-                               optimizer_step_batches, pack_examples)
+from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, check_model_reads_data, collate,
+                               model_inputs, optimizer_step_batches, pack_examples)
 from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
                                       turn_closing_token_id)
 from fsdp_recipes.data_sources import load_split
@@ -870,6 +871,33 @@ def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
     assert [TOKENIZER.decode(ids) for ids in train["input_ids"]] == [f"<|bos|>s{i}x<|end|>" for i in range(8)]
 
 
+def test_a_mixture_takes_a_config_name_and_splits_per_data_set(tmp_path):
+    write_multi_config_copy(tmp_path / "copy")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                          "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
+    mixture = f"{tmp_path}/dict,{tmp_path}/copy"
+    # The Hub copy's config only; the first 4 rows of one and 2 of the other; the held-out split of the first only.
+    train, eval_set = build_datasets(cfg(mixture, dataset_config_name=",socratic", dataset_split="train[:4],train[:2]",
+                                         eval_split="test,"), TOKENIZER)
+    ids = lambda rows: [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in rows]
+    socratic = [{"prompt": f"s{i}", "completion": "x"} for i in range(2)]
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[:4] + socratic), ids(ROWS[30:]))
+    for config, message in [
+        (cfg(mixture, dataset_config_name="socratic"),
+         f"dataset_config_name socratic is for a Hub data set (or a local copy of one); {tmp_path}/dict is a "
+         f"save_to_disk folder: remove dataset_config_name, or in a mixture give one per data set, empty for this one "
+         f"(such as ',main')"),
+        (cfg(mixture, dataset_config_name=",main,main"),
+         "dataset_config_name has 3 comma-separated values for 2 data sets in dataset_name: give one for all of them, "
+         "or one per data set"),
+        (cfg(mixture, dataset_config_name=",main", dataset_split="train,"),
+         f"dataset_split gives no split for {tmp_path}/copy: name one for each data set"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            build_datasets(config, TOKENIZER)
+        assert str(error.value) == message
+
+
 def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
                           "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
@@ -1116,6 +1144,30 @@ def test_a_token_the_model_cannot_embed_stops_the_run_before_training(tiny, tmp_
                       f"{len(tokenizer) - 1} rows: use the model's own tokenizer (tokenizer_name_or_path), or save "
                       "the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"]
     assert "training:" not in proc.stdout
+
+
+def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused():
+    tokenizer = demo.build_tokenizer()
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64))
+    check_model_reads_data(llama, tokenizer, 64, data)
+    with pytest.raises(ConfigError) as error:
+        check_model_reads_data(llama, tokenizer, 65, data)
+    assert str(error.value) == ("max_seq_length 65 is longer than the model's 64 positions (max_position_embeddings "
+                                "in its config.json): set max_seq_length 64 or less")
+    # GPT-2 names them n_positions: its learned position embeddings have no row beyond.
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=16))
+    with pytest.raises(ConfigError, match="max_seq_length 17 is longer than the model's 16 positions"):
+        check_model_reads_data(gpt2, tokenizer, 17, data)
+    # A pad token added to the tokenizer, not to the model: every padded batch would embed it.
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    with pytest.raises(ConfigError) as error:
+        check_model_reads_data(llama, tokenizer, 64, data)
+    assert str(error.value) == (
+        f"the tokenizer's pad token '[PAD]' has id {len(tokenizer) - 1}, and the model's embedding table has "
+        f"{len(tokenizer) - 1} rows: save the tokenizer with a pad token the model has (e.g. its eos token), or save "
+        f"the model with its embeddings resized to the tokenizer first (resize_token_embeddings)")
 
 
 def test_readme_data_example_is_a_valid_config(tmp_path):
