@@ -283,7 +283,8 @@ class TrainConfig:
         does (a 1-step smoke test trains at learning_rate); a number of steps as long as the run is refused: the
         learning rate would never reach learning_rate, nor decay."""
         if self.warmup_steps < 1:
-            return min(math.ceil(self.warmup_steps * total_steps), total_steps - 1)
+            # Rounded first, as the run's length: 0.07 of 100 steps is 7.000000000000001 in floats.
+            return min(math.ceil(round(self.warmup_steps * total_steps, 6)), total_steps - 1)
         if self.warmup_steps >= total_steps:
             raise ConfigError(
                 f"warmup_steps {self.warmup_steps:g} covers the whole run of {total_steps} steps: the learning rate "
@@ -446,6 +447,8 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     if known.config:
         parser.set_defaults(**_read_yaml(known.config[0], parser, config_cls))
 
+    rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(config_cls).items()
+                                     if type(None) in typing.get_args(hint)})
     namespace, remaining = parser.parse_known_args(rest)
     for arg in remaining:
         if arg.startswith("--"):
@@ -453,4 +456,25 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     if remaining:
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
     values = {k: v for k, v in vars(namespace).items() if k in field_names}
-    return config_cls(**values)
+    return config_cls(**{**values, **nulls})
+
+
+def _take_nulls(argv: list[str], optional: set[str]) -> tuple[list[str], dict]:
+    """`--key null` (or None) for a key that may be null, as in the YAML: argparse would read the word as a string,
+    or refuse it as a number or choice. Returns the other arguments and the keys set to None (the last of a key's
+    values wins, as in argparse)."""
+    kept, nulls, i = [], {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        key, equals, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        key = key.replace("-", "_")  # argparse takes --eval-split for --eval_split too
+        if key in optional and not equals:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if key in optional and value.lower() in ("null", "none"):
+            nulls[key] = None
+            i += 1 if equals else 2
+            continue
+        nulls.pop(key, None)
+        kept.append(arg)
+        i += 1
+    return kept, nulls

@@ -22,7 +22,8 @@ def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
         )
     if cfg.max_steps > 0:
         return cfg.max_steps
-    return math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    # Rounded first: 1.1 epochs of 100 steps is 110.00000000000001 in floats, which ceil would make 111.
+    return math.ceil(round(cfg.num_train_epochs * steps_per_epoch, 6))
 
 
 def check_run_length(cfg: TrainConfig, dataset, world_size: int) -> None:

@@ -2,6 +2,7 @@
 it, and never the whole run (the learning rate would never reach learning_rate, nor decay). The run's length: at
 least one step."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -52,3 +53,11 @@ def test_data_too_small_for_one_step_says_which_key_to_change():
                                           "gradient_accumulation_steps=8: lower it or add data$"):
         count_total_steps(config("--gradient_accumulation_steps", "8"), examples, world_size=2)
     assert count_total_steps(config("--gradient_accumulation_steps", "2", "--num_train_epochs", "3"), examples, 2) == 6
+
+
+def test_fractions_of_a_run_are_not_rounded_up_past_a_whole_step():
+    # In floats 1.1 x 100 is 110.00000000000001 and 0.07 x 100 is 7.000000000000001: not 111 and 8 steps.
+    cfg = config("--num_train_epochs", "1.1", "--warmup_steps", "0.07", "--per_device_train_batch_size", "1")
+    total_steps = count_total_steps(cfg, range(100), world_size=1)
+    assert (total_steps, cfg.num_warmup_steps(100)) == (110, 7)
+    assert count_total_steps(dataclasses.replace(cfg, num_train_epochs=1.105), range(100), world_size=1) == 111
