@@ -208,8 +208,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     them."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
-    if resume and resume != "auto":
-        check_checkpoint_folder(resume)  # before anything is removed, and before the advice below assumes it is one
+    if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
+        check_checkpoint_folder(resume, f", or --output_dir {resume} --resume_from_checkpoint auto to resume from "
+                                        f"the one its `latest` file names")
     # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
     inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
     if cfg.overwrite_output_dir:
@@ -253,31 +254,33 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
 
 def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
     """The model, tokenizer and data this run reads must not lie in what overwrite_output_dir removes (e.g. the
-    earlier run's final/ as the model to fine-tune further): they would be gone before the run reads them."""
+    earlier run's final/ as the model to fine-tune further): they would be gone before the run reads them. A path
+    is compared as written and, in a removed folder, resolved; a removed symlink takes only itself."""
+    within = lambda path, folder: os.path.commonpath([path, folder]) == folder
     inputs = [("model_name_or_path", cfg.model_name_or_path), ("tokenizer_name_or_path", cfg.tokenizer_name_or_path)]
     inputs += [("dataset_name", name.strip()) for name in (cfg.dataset_name or "").split(",")]
     for key, value in inputs:
-        if not value or not os.path.exists(value):
+        written = os.path.abspath(os.path.expanduser(value)) if value else ""
+        if not written or not os.path.exists(written):
             continue  # a Hub id
-        real = os.path.realpath(value)
         for path in removed:
-            if os.path.commonpath([real, os.path.realpath(path)]) == os.path.realpath(path):
+            if within(written, os.path.abspath(path)) or (
+                    not os.path.islink(path) and within(os.path.realpath(written), os.path.realpath(path))):
                 raise ConfigError(f"{key} {value} is in {path}, which overwrite_output_dir true removes before this "
                                   f"run reads it: move it out of {cfg.output_dir}, or write this run to another "
                                   f"output_dir")
 
 
-def check_checkpoint_folder(path: str) -> None:
+def check_checkpoint_folder(path: str, output_dir_advice: str = "") -> None:
     """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead."""
     if path.rstrip("/").endswith(".tmp"):
-        raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): resume from a checkpoint-<step> folder")
+        raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): pass a checkpoint-<step> folder")
     if os.path.isfile(os.path.join(path, STATE_NAME)):
         return
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST_NAME)) or checkpoint_steps(path)):
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
-        raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): resume from one of "
-                              f"its checkpoint-<step> folders, or pass --output_dir {path} --resume_from_checkpoint "
-                              f"auto to resume from the one its `latest` file names")
+        raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): pass one of its "
+                              f"checkpoint-<step> folders{output_dir_advice}")
     raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
                           f"(expected a checkpoint-<step> folder written by this project)")
 

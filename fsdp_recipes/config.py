@@ -460,8 +460,8 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
 
 
 def _take_nulls(argv: list[str], optional: set[str]) -> tuple[list[str], dict]:
-    """`--key null` (or None) for a key that may be null, as in the YAML: argparse would read the word as a string,
-    or refuse it as a number or choice. Returns the other arguments and the keys set to None (the last of a key's
+    """`--key null` for a key that may be null, as in the YAML: argparse would read the word as a string, or refuse
+    it as a number or choice. Returns the other arguments and the keys set to None (the last of a key's
     values wins, as in argparse)."""
     kept, nulls, i = [], {}, 0
     while i < len(argv):
@@ -470,7 +470,7 @@ def _take_nulls(argv: list[str], optional: set[str]) -> tuple[list[str], dict]:
         key = key.replace("-", "_")  # argparse takes --eval-split for --eval_split too
         if key in optional and not equals:
             value = argv[i + 1] if i + 1 < len(argv) else ""
-        if key in optional and value.lower() in ("null", "none"):
+        if key in optional and value in ("null", "Null", "NULL"):  # YAML's words for it (~ is the shell's home)
             nulls[key] = None
             i += 1 if equals else 2
             continue

@@ -161,10 +161,13 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
     """Refuse, before the first step, what would index past one of the model's tables: on a GPU that stops the run
     with a device-side assert on whichever rank draws such a batch, far from the cause. Token ids beyond the
     embedding table (a tokenizer with tokens the model lacks), in the data or as the padding; a max_seq_length
-    beyond the model's positions: learned position embeddings (GPT-2, BioGPT) have no row for them, and rotary
-    ones would run past the context the model was trained for."""
+    beyond a learned position table (GPT-2, BioGPT). Rotary positions have no table: beyond the context the model
+    was trained for (with its rope scaling) is a warning."""
     num_embeddings = model.get_input_embeddings().num_embeddings
     resize = "or save the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"
+    if tokenizer.pad_token_id is None:
+        raise ConfigError("the tokenizer has no pad token, nor an eos token to pad with: save the tokenizer with a "
+                          "pad token the model has")
     if tokenizer.pad_token_id >= num_embeddings:
         raise ConfigError(f"the tokenizer's pad token {tokenizer.pad_token!r} has id {tokenizer.pad_token_id}, and "
                           f"the model's embedding table has {num_embeddings} rows: save the tokenizer with a pad "
@@ -176,10 +179,33 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
             raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
                               f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), "
                               f"{resize}")
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if positions and max_seq_length > positions:
-        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's {positions} positions "
-                          f"(max_position_embeddings in its config.json): set max_seq_length {positions} or less")
+    config = model.config.get_text_config()
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions or max_seq_length <= positions:
+        return
+    context = rotary_context(config)
+    if context is None:
+        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's learned position table "
+                          f"({positions} positions): set max_seq_length {positions} or less")
+    if max_seq_length > context:
+        print_rank0(f"warning: max_seq_length {max_seq_length} is longer than the {context} positions the model was "
+                    f"trained for (max_position_embeddings, with its rope scaling): it has never seen the positions "
+                    f"beyond; to extend its context, add rope scaling (e.g. YaRN) to its config.json")
+
+
+def rotary_context(config) -> Optional[int]:
+    """The context of a rotary model, its rope scaling included (YaRN's or dynamic NTK's factor over the original
+    context); None for a model without rotary positions."""
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        return None
+    # Gemma 3 holds one set per attention type.
+    context = config.max_position_embeddings
+    for rope in [p for p in params.values() if isinstance(p, dict)] or [params]:
+        if rope.get("factor"):
+            original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+            context = max(context, int(original * rope["factor"]))
+    return context
 
 
 def collate(examples: list[dict], pad_token_id: int, flatten: bool = False) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -109,11 +110,13 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
                      or plan.torch_compile else ())
     plan.layer_classes = ", ".join(c.__name__ for c in layer_classes)
     plan.total_params = sum(p.numel() for p in model.parameters())
-    if plan.activation_checkpointing:
-        # Before sharding: FSDP2 then shards the wrapper (its hooks run outside the recomputed region), FSDP1 wraps
-        # the layer inside it (torch skips FSDP1's hooks while recomputing). checkpoint_wrapper's default is the
-        # non-reentrant implementation, and its state-dict hooks strip the wrapper from the keys.
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, layer_classes))
+    checkpoint_layers = functools.partial(apply_activation_checkpointing,
+                                          check_fn=lambda m: isinstance(m, layer_classes))
+    if plan.activation_checkpointing and plan.fsdp_version == 2:
+        # Before sharding: FSDP2 then shards the wrapper, so that its hooks run outside the recomputed region.
+        # checkpoint_wrapper's default is the non-reentrant implementation, and its state-dict hooks strip the
+        # wrapper from the keys.
+        checkpoint_layers(model)
     if plan.torch_compile:
         compile_layers(model, layer_classes, plan)
     mesh = build_mesh(plan, device)
@@ -122,13 +125,19 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         units = size_based_units(model, plan.min_num_params, tied_parameter_ids(model))
         plan.wrapped = f"{len(units)} x size-based ({plan.min_num_params:,} parameters or more)"
     else:
-        # FSDP1 wraps the layer; FSDP2 shards the checkpoint wrapper, so that its hooks run outside the checkpoint.
+        # FSDP2 shards the checkpoint wrapper, so that its hooks run outside the checkpoint; FSDP1 wraps the layer.
         unit_class = CheckpointWrapper if plan.activation_checkpointing and plan.fsdp_version == 2 else layer_classes
         units = [m for m in model.modules() if isinstance(m, unit_class)]
         plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
     check_tied_parameters_share_a_unit(model, units)
     if plan.fsdp_version == 1:
-        return fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
+        model = fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
+        if plan.activation_checkpointing:
+            # After wrapping, inside each unit (as accelerate does): with the wrapper outside an FSDP1 unit,
+            # torch.distributed.checkpoint.state_dict names the unit's parameters with FSDP1's prefix, and a resume
+            # cannot load the optimizer state ("Missing optimizer state for parameter ...").
+            checkpoint_layers(model)
+        return model
     fsdp2.shard(model, units, plan, mesh)
     return model
 

@@ -191,12 +191,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-@pytest.mark.parametrize("fsdp_version", [2, 1])
+@pytest.mark.parametrize("fsdp_version, checkpointing", [(2, "false"), (1, "false"), (2, "true"), (1, "true")])
 def test_a_parameter_that_had_no_gradient_resumes_without_optimizer_state(tiny, tmp_path, one_process_group,
-                                                                          fsdp_version):
+                                                                          fsdp_version, checkpointing):
     """A parameter without a gradient before the save (a vision tower on text-only data) has no Adam state in the
-    checkpoint; the resume must load the others and leave it without state, as the run that saved it."""
-    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--fsdp_version", fsdp_version)])
+    checkpoint; the resume must load the others and leave it without state, as the run that saved it. With
+    activation checkpointing too (FSDP1's wrapper outside its units made torch name them so that none loaded)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--fsdp_version", fsdp_version,
+                                                        "--fsdp_activation_checkpointing", checkpointing)])
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
@@ -617,9 +619,9 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
         with pytest.raises(CheckpointError) as error:
             prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", tmp_path, *overwrite))
         assert str(error.value) == (
-            f"{tmp_path} is a run's output_dir, not a checkpoint (it holds checkpoint-4, checkpoint-6): resume from "
-            f"one of its checkpoint-<step> folders, or pass --output_dir {tmp_path} --resume_from_checkpoint auto to "
-            f"resume from the one its `latest` file names")
+            f"{tmp_path} is a run's output_dir, not a checkpoint (it holds checkpoint-4, checkpoint-6): pass one of "
+            f"its checkpoint-<step> folders, or --output_dir {tmp_path} --resume_from_checkpoint auto to resume from "
+            f"the one its `latest` file names")
     assert snapshot(tmp_path) == before
     # A model or tokenizer in what overwrite_output_dir removes (the earlier run's final/) would be gone before
     # the run reads it; a data file beside the run's outputs is not removed, and may stay there.
@@ -679,6 +681,24 @@ def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, on
             prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint), "--overwrite_output_dir",
                                       "true"))
     assert sorted(os.listdir(real)) == ["checkpoint-4", "latest"]
+
+
+def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_group):
+    model, out = tmp_path / "model", tmp_path / "out"
+    (model / "weights").mkdir(parents=True)
+    out.mkdir()
+    # final/ a symlink to the model: removing final/ removes the link alone, and the model is read at its own path.
+    (out / "final").symlink_to(model)
+    prepare_output_dir(dataclasses.replace(config(out, "--overwrite_output_dir", "true"),
+                                           model_name_or_path=str(model)))
+    assert os.listdir(out) == [] and os.listdir(model) == ["weights"]
+    # The model reached through a symlink inside final/: gone with final/, though its target stays.
+    (out / "final").mkdir()
+    (out / "final" / "base").symlink_to(model)
+    with pytest.raises(ConfigError, match=f"^model_name_or_path {out}/final/base is in {out}/final, which "):
+        prepare_output_dir(dataclasses.replace(config(out, "--overwrite_output_dir", "true"),
+                                               model_name_or_path=str(out / "final" / "base")))
+    assert os.listdir(out / "final") == ["base"]
 
 
 def test_every_rank_must_see_the_same_output_dir(tmp_path):

@@ -28,10 +28,12 @@ def test_the_command_line_sets_a_key_back_to_null(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\neval_split: test\nsave_total_limit: 2\n"
                                     "mixed_precision: bf16\nfsdp_offload_params: true\nrun_name: mine\n")
     cfg = parse_config(["--config", cfg_file, "--eval_split", "null", "--eval_fraction", "0.1", "--save_total_limit",
-                        "None", "--mixed-precision=null", "--fsdp_offload_params", "NULL", "--run_name", "x",
-                        "--run_name", "none"])
+                        "Null", "--mixed-precision=null", "--fsdp_offload_params", "NULL", "--run_name", "x",
+                        "--run_name", "null"])
     assert (cfg.eval_split, cfg.eval_fraction, cfg.save_total_limit) == (None, 0.1, None)
     assert (cfg.mixed_precision, cfg.fsdp_offload_params, cfg.run_name) == (None, None, None)
+    # YAML's words only: a run named none keeps its name.
+    assert parse_config(["--config", cfg_file, "--run_name", "none"]).run_name == "none"
     # The last value wins; a key that cannot be null refuses the word.
     last = parse_config(["--config", cfg_file, "--save_total_limit", "null", "--save_total_limit", "3"])
     assert last.save_total_limit == 3

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from fsdp_recipes import data as data_module, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -1146,20 +1146,32 @@ def test_a_token_the_model_cannot_embed_stops_the_run_before_training(tiny, tmp_
     assert "training:" not in proc.stdout
 
 
-def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused():
+def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
     tokenizer = demo.build_tokenizer()
     data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64))
+    tiny = dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=64)
+    llama = LlamaForCausalLM(LlamaConfig(**tiny))
     check_model_reads_data(llama, tokenizer, 64, data)
-    with pytest.raises(ConfigError) as error:
-        check_model_reads_data(llama, tokenizer, 65, data)
-    assert str(error.value) == ("max_seq_length 65 is longer than the model's 64 positions (max_position_embeddings "
-                                "in its config.json): set max_seq_length 64 or less")
-    # GPT-2 names them n_positions: its learned position embeddings have no row beyond.
+    # GPT-2's learned position embeddings (n_positions) have no row beyond: refused.
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=16))
-    with pytest.raises(ConfigError, match="max_seq_length 17 is longer than the model's 16 positions"):
+    check_model_reads_data(gpt2, tokenizer, 16, data)
+    with pytest.raises(ConfigError) as error:
         check_model_reads_data(gpt2, tokenizer, 17, data)
+    assert str(error.value) == ("max_seq_length 17 is longer than the model's learned position table (16 "
+                                "positions): set max_seq_length 16 or less")
+    assert capsys.readouterr().out == ""
+    # Rotary positions: beyond the trained context (with YaRN's factor 4, four times it) is a warning.
+    yarn = Qwen2ForCausalLM(Qwen2Config(**tiny, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                              "original_max_position_embeddings": 64}))
+    check_model_reads_data(yarn, tokenizer, 256, data)
+    assert capsys.readouterr().out == ""
+    for model, length, context in [(llama, 65, 64), (yarn, 257, 256)]:
+        check_model_reads_data(model, tokenizer, length, data)
+        assert capsys.readouterr().out == (
+            f"warning: max_seq_length {length} is longer than the {context} positions the model was trained for "
+            f"(max_position_embeddings, with its rope scaling): it has never seen the positions beyond; to extend "
+            f"its context, add rope scaling (e.g. YaRN) to its config.json\n")
     # A pad token added to the tokenizer, not to the model: every padded batch would embed it.
     tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     with pytest.raises(ConfigError) as error:
@@ -1168,6 +1180,11 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused():
         f"the tokenizer's pad token '[PAD]' has id {len(tokenizer) - 1}, and the model's embedding table has "
         f"{len(tokenizer) - 1} rows: save the tokenizer with a pad token the model has (e.g. its eos token), or save "
         f"the model with its embeddings resized to the tokenizer first (resize_token_embeddings)")
+    # None left by load_tokenizer: no pad token and no eos token.
+    tokenizer.pad_token = None
+    with pytest.raises(ConfigError, match="^the tokenizer has no pad token, nor an eos token to pad with: save the "
+                                          "tokenizer with a pad token the model has$"):
+        check_model_reads_data(llama, tokenizer, 64, data)
 
 
 def test_readme_data_example_is_a_valid_config(tmp_path):
