@@ -2,7 +2,7 @@
 
     python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
         [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
-        [--attn_implementation sdpa|flash_attention_2|flex_attention|eager]
+        [--attn_implementation sdpa|flash_attention_2|flex_attention|eager] [--trust_remote_code]
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
 project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
@@ -86,14 +86,18 @@ class Estimate:
         return transient + (0 if self.offload else self.sharded_state)
 
 
-def load_config(model: str) -> PretrainedConfig:
+def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """A hub id or a local folder through AutoConfig.from_pretrained, which also reads a config.json path."""
     looks_local = model.endswith(".json") or model.startswith((".", "/", "~")) or os.path.exists(model)
     if looks_local and not os.path.exists(os.path.expanduser(model)):
         raise ConfigError(f"--model {model}: no such file or folder; give a hub id, a model folder or a config.json")
     try:
-        return AutoConfig.from_pretrained(os.path.expanduser(model))
+        # Given explicitly, False included: left unset, transformers asks on the terminal whether to run the code.
+        return AutoConfig.from_pretrained(os.path.expanduser(model), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):  # transformers' error for a checkpoint with code of its own
+            raise ConfigError(f"--model {model} ships its own model code: pass --trust_remote_code to run it, as the "
+                              f"recipe key trust_remote_code: true does") from error
         first_line = str(error).strip().splitlines()[0]
         raise ConfigError(f"--model {model}: cannot read its config ({first_line})") from error
 
@@ -120,8 +124,9 @@ def fsdp_groups(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[nn.Par
 
 @dataclass(frozen=True)
 class SavedActivations:
-    """What one micro-batch's forward leaves for backward, measured: bytes per decoder layer, and one layer's
-    input (all a checkpointed layer keeps)."""
+    """What one micro-batch's forward leaves for backward, measured: bytes per decoder layer that ran (not a
+    multimodal model's vision and audio towers, idle on text), and one layer's input (all a checkpointed layer
+    keeps)."""
     tokens: int
     per_layer: tuple[int, ...]
     layer_input: int
@@ -179,7 +184,7 @@ def _static_rotary_embeddings(model: nn.Module) -> None:
 
 
 def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: int, seq_len: int,
-                        attn_implementation: str) -> SavedActivations:
+                        attn_implementation: str, trust_remote_code: bool = False) -> SavedActivations:
     """Run the model's own forward on the meta device (shapes only: no memory, no compute) for one micro-batch,
     and count the bytes of the distinct tensors autograd saves inside each decoder layer, parameters excluded.
     Whatever the architecture does (extra norms, soft-capping, routing to experts) is counted as it runs; for sdpa,
@@ -188,7 +193,8 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
         attn_implementation = MEASURED_FLASH_OR_FLEX
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
-                                                 attn_implementation=attn_implementation)
+                                                 attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
         input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
     _static_rotary_embeddings(model)
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
@@ -201,10 +207,12 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     seen: set[int] = set()  # a tensor that several layers save (the residual stream) is counted once
     inputs: list[int] = []
     running: list[int] = []  # the index of the decoder layer whose forward is running
+    ran: set[int] = set()
 
     def enter(index: int):
         def hook(module, args, kwargs):
             running.append(index)
+            ran.add(index)
             inputs.append((args[0] if args else kwargs["hidden_states"]).nbytes)
         return hook
 
@@ -232,7 +240,7 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     finally:
         for handle in handles:
             handle.remove()
-    return SavedActivations(batch * seq_len, tuple(saved), max(inputs))
+    return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs))
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
@@ -263,8 +271,9 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
         activations = len(saved.per_layer) * saved.layer_input + max(saved.per_layer)
     else:
         activations = sum(saved.per_layer)
-    # The logits in compute dtype, their fp32 copy for the loss, and the fp32 log-softmax cross-entropy keeps.
-    logits = saved.tokens * model.config.vocab_size * (compute + 4 + 4)
+    # The peak of the loss's backward: the logits in compute dtype, the fp32 log-softmax cross-entropy keeps, and
+    # the fp32 gradients of nll_loss and of log_softmax (the fp32 copy of bf16 logits is freed after the forward).
+    logits = saved.tokens * model.config.get_text_config().vocab_size * (compute + 12)
     return Estimate(params=state, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
                     activations=activations, logits=logits, offload=setting.offload)
 
@@ -300,14 +309,14 @@ def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActiva
     setting_of = {s: Setting(s, args.activation_checkpointing, args.offload) for s in STRATEGIES}
     ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, saved)
             for s in STRATEGIES}
-    layers, _ = fsdp_groups(model)
     total = sum(p.numel() for p in model.parameters())
     per_node = args.num_gpus // args.num_nodes
     precision = {"bf16": "bf16 compute, fp32 master weights, gradients and Adam states",
                  "no": "fp32 throughout", "pure_bf16": "bf16 throughout"}[args.mixed_precision]
     where = "CPU" if args.offload else "GPU"
     lines = [
-        f"model: {type(model).__name__}, {total:,} parameters, {len(layers)} decoder layers",
+        f"model: {type(model).__name__}, {total:,} parameters, "
+        f"{model.config.get_text_config().num_hidden_layers} decoder layers",
         f"setup: {args.num_gpus} GPUs ({args.num_nodes} node{'s' * (args.num_nodes > 1)} x {per_node}), "
         f"mixed_precision {args.mixed_precision} ({precision}), AdamW",
         f"micro-batch per GPU: {args.batch} x {args.seq_len} tokens, activation checkpointing "
@@ -353,6 +362,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
     parser.add_argument("--attn_implementation", choices=["sdpa", "flash_attention_2", "flex_attention", "eager"],
                         default="sdpa", help="as the recipe key; eager keeps the L x L scores")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="run the model code the checkpoint ships (as the recipe key)")
     args = parser.parse_args(argv)
     for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
         if getattr(args, name) < 1:
@@ -367,13 +378,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    config = load_config(args.model)
+    config = load_config(args.model, args.trust_remote_code)
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
                           f"{' or '.join(allowed)} (see fsdp_recipes/families.py), not {args.attn_implementation}")
-    model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision])
-    saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation)
+    model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
+    saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
+                                args.trust_remote_code)
     print(format_report(model, args, saved))
 
 

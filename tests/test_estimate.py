@@ -1,6 +1,6 @@
 """The memory planner: its parameter, gradient and optimizer figures equal the bytes a sharded run holds, its
-parameter counts equal the published ones, its activation formula stays close to what autograd saves, and the
-README's example is its real output."""
+parameter counts equal the published ones, its activation formula stays close to what autograd saves, its logits
+row is the peak of the loss's backward, and the README's example is its real output."""
 
 import json
 import re
@@ -9,15 +9,19 @@ import sys
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MixtralConfig,
-                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4Config, Gemma4TextConfig,
+                          Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.estimate import (Setting, build_meta_model, estimate, load_config, main, measure_activations,
-                                   parse_args, recommend)
+from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, estimate, load_config, main,
+                                   measure_activations, parse_args, recommend)
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
+from fsdp_recipes.trainer import token_loss_sum
 from test_accelerate_configs import process_group_of
 from test_launch import launch_node_env
 
@@ -204,6 +208,110 @@ def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
     assert per_token(llama, "sdpa", "no", 128) - per_token(llama, "sdpa", "no", 64) == 4 * 64 * 4
     mha = LlamaConfig(**{**SMALL, "num_key_value_heads": 4})
     assert per_token(mha, "sdpa", "no", 128) == per_token(mha, "sdpa", "no", 64)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes held at once by `held` and by the tensors that the ops run under this mode make, forward and
+    backward: each storage counts once, from the op that makes it until it is freed; checked after each op."""
+
+    def __init__(self, *held: torch.Tensor):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.bytes = 0
+        self.add(held)
+
+    def add(self, tensors):
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                ref = StorageWeakRef(tensor.untyped_storage())
+                self.live[ref.cdata] = (ref, tensor.untyped_storage().nbytes())
+        self.live = {key: (ref, size) for key, (ref, size) in self.live.items() if not ref.expired()}
+        self.bytes = max(self.bytes, sum(size for _, size in self.live.values()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.add(tree_leaves(out))
+        return out
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_logits_and_loss_are_the_peak_of_the_loss_backward(mixed_precision):
+    config = LlamaConfig(**SMALL)  # a vocabulary of 128
+    saved = measure_activations(config, mixed_precision, batch=2, seq_len=64, attn_implementation="sdpa")
+    est = estimate(build_meta_model(config, MASTER_DTYPE[mixed_precision]), Setting("FULL_SHARD", False, False), 8,
+                   1, mixed_precision, saved)
+    # The trainer's loss on logits in the compute dtype: bf16 logits take 2 + 12 bytes each at the peak, fp32 ones
+    # (their own fp32 copy) 4 + 12.
+    assert est.logits == 2 * 64 * 128 * {"bf16": 14, "no": 16}[mixed_precision]
+    logits = torch.randn(2, 64, 128, dtype=COMPUTE_DTYPE[mixed_precision], requires_grad=True)
+    with PeakBytes(logits) as peak:
+        token_loss_sum(logits, torch.randint(0, 128, (2, 64))).backward()
+    assert est.logits == pytest.approx(peak.bytes, rel=1e-2)  # the rest: the labels, 8 bytes per token
+
+
+# A multimodal Gemma 4 as on the Hub (no vocab_size of its own): a language model of 2 layers (a sliding and a full
+# one, each with its head_dim), and a vision tower of 4 layers, which does not run on text.
+GEMMA4_TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                   vocab_size_per_layer_input=500)
+GEMMA4_MULTIMODAL = Gemma4Config(text_config=GEMMA4_TEXT, audio_config=None,
+                                 vision_config=Gemma4VisionConfig(num_hidden_layers=4, hidden_size=32,
+                                                                  intermediate_size=64, num_attention_heads=2))
+
+
+def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys):
+    saved = measure_activations(GEMMA4_MULTIMODAL, "bf16", batch=1, seq_len=64, attn_implementation="sdpa")
+    assert saved == measure_activations(Gemma4TextConfig(**GEMMA4_TEXT), "bf16", 1, 64, "sdpa")
+    assert saved.per_layer == (370_562, 438_274) and saved.layer_input == 64 * 64 * 2
+    model = build_meta_model(GEMMA4_MULTIMODAL, torch.float32)
+    est = estimate(model, Setting("FULL_SHARD", True, False), 2, 1, "bf16", saved)
+    # Checkpointed: the inputs of the 2 language model layers, and the larger one recomputed; the logits over the
+    # language model's vocabulary of 1000.
+    assert est.activations == 2 * 64 * 64 * 2 + 438_274
+    assert est.logits == 64 * 1000 * (2 + 12)
+    main(["--model", str(write_config(tmp_path / "gemma4.json", GEMMA4_MULTIMODAL.to_dict())), "--num_gpus", "2",
+          "--seq_len", "64", "--batch", "1", "--activation_checkpointing"])
+    total = sum(p.numel() for p in model.parameters())
+    assert capsys.readouterr().out.startswith(
+        f"model: Gemma4ForConditionalGeneration, {total:,} parameters, 2 decoder layers\n")
+
+
+OWN_CONFIG_CODE = """from transformers import LlamaConfig
+
+
+class FooConfig(LlamaConfig):
+    model_type = "foo"
+"""
+OWN_MODEL_CODE = """from transformers import LlamaForCausalLM
+
+from .configuration_foo import FooConfig
+
+
+class FooForCausalLM(LlamaForCausalLM):
+    config_class = FooConfig
+"""
+
+
+def test_a_model_with_its_own_code_is_estimated_with_trust_remote_code(tmp_path, capsys):
+    llama = write_config(tmp_path / "llama.json", LlamaConfig(**SMALL).to_dict())
+    own_code = tmp_path / "estimate_own_code"  # the folder names the module transformers imports the code as
+    own_code.mkdir()
+    (own_code / "configuration_foo.py").write_text(OWN_CONFIG_CODE)
+    (own_code / "modeling_foo.py").write_text(OWN_MODEL_CODE)
+    write_config(own_code / "config.json", {
+        **LlamaConfig(**SMALL).to_dict(), "model_type": "foo", "architectures": ["FooForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_foo.FooConfig",
+                     "AutoModelForCausalLM": "modeling_foo.FooForCausalLM"}})
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(own_code), "--num_gpus", "2"])
+    assert str(error.value) == (f"--model {own_code} ships its own model code: pass --trust_remote_code to run it, "
+                                f"as the recipe key trust_remote_code: true does")
+    main(["--model", str(own_code), "--num_gpus", "2", "--seq_len", "64", "--trust_remote_code"])
+    own_report = capsys.readouterr().out
+    main(["--model", str(llama), "--num_gpus", "2", "--seq_len", "64"])
+    # A Llama under another name: the same report but for the name.
+    assert own_report == capsys.readouterr().out.replace("model: LlamaForCausalLM, ", "model: FooForCausalLM, ")
 
 
 @pytest.fixture(scope="module")
