@@ -60,8 +60,10 @@ from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 STATE_NAME = "trainer_state.json"
 LATEST_NAME = "latest"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-# Config entries that may differ between a checkpoint and the run resuming it.
-_RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path"}
+# Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
+# config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
+_RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+                        "output_router_logits", "router_aux_loss_coef"}
 # Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
 # points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
 # back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
@@ -72,7 +74,7 @@ _RESUME_KEYS = (
     "dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
     "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
     "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "output_router_logits", "router_aux_loss_coef",
 )
 # What a run writes into output_dir; --overwrite_output_dir removes these (and checkpoint-* folders) first.
 _RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "samples.jsonl")

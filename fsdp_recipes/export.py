@@ -140,13 +140,15 @@ def replace_dir(tmp_dir: str, out_dir: str) -> None:
 def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.dtype) -> None:
     """config.json (recording `dtype`), generation_config.json, the tokenizer files, and the model's own code when it
     came with the checkpoint (trust_remote_code)."""
+    unwrapped = model.module if isinstance(model, FSDP) else model
     # The model holds fp32 master weights; the folder records the dtype its files hold.
     config = copy.deepcopy(model.config)
     set_config_dtype(config, dtype)
     config.use_cache = True
+    # config.json's own values of the settings the recipe config changed for training (model.load_model).
+    config.update(getattr(unwrapped, "config_for_export", {}))
     config.save_pretrained(out_dir)  # with the config's own code, if any
     # The class that from_pretrained registered for its auto_map entry; FSDP2 subclasses it, FSDP1 wraps it.
-    unwrapped = model.module if isinstance(model, FSDP) else model
     code_class = next((c for c in type(unwrapped).__mro__ if vars(c).get("_auto_class")), None)
     if code_class is not None:
         custom_object_save(code_class, out_dir)
@@ -158,7 +160,9 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if closing is not None and closing not in eos:
             generation_config.eos_token_id = eos + [closing]
-        generation_config.save_pretrained(out_dir)
+        # As the checkpoint wrote it: save_pretrained would refuse settings from_pretrained accepted (a temperature
+        # without do_sample), after the whole run.
+        generation_config.to_json_file(os.path.join(out_dir, "generation_config.json"), use_diff=True)
     tokenizer.save_pretrained(out_dir)
     copy_processor_files(model.config.name_or_path, out_dir)
 

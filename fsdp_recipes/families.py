@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig
 
@@ -34,20 +34,50 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
         raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
     try:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    except OSError as e:  # transformers' message names the path or hub id and what is missing there
+    except (OSError, ValueError) as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(f"model_name_or_path: {e}") from e
-    recipe = os.path.basename(recipe)
+    part = part_that_loads(config)
+    if part is not None:
+        raise ConfigError(
+            f"{cfg.model_name_or_path} is a {config.model_type} model, of which AutoModelForCausalLM loads the "
+            f"{part.__name__} part alone: the run would train and export it without the rest of the checkpoint (its "
+            f"vision or audio model). Not supported: train a model that AutoModelForCausalLM loads whole, such as a "
+            f"checkpoint of that part alone (model_type {part.config_class.model_type})"
+        )
     _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
                      "soft-capping")
     if model_types is None:
         return
     if config.model_type not in model_types:
         raise ConfigError(
-            f"{recipe} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a {config.model_type} "
-            f"model: run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
-            f"`make new-recipe MODEL={config.model_type}`"
+            f"{os.path.basename(recipe)} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a "
+            f"{config.model_type} model: {_recipe_advice(config.model_type, recipe)}"
         )
-    _check_attention(cfg, config.model_type, model_types[config.model_type], recipe)
+    _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
+
+
+def _recipe_advice(model_type: str, recipe: str) -> str:
+    """Where to go for a model type that `recipe` does not train: the recipe named after it, if there is one."""
+    named = os.path.join(os.path.dirname(recipe), f"{model_type.replace('-', '_')}_sft.py")
+    if not os.path.exists(named):
+        return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
+                f"`make new-recipe MODEL={model_type}`")
+    if not os.path.samefile(named, recipe):
+        return f"run {named}"
+    # e.g. Gemma 1 in gemma_sft.py, which trains Gemma 2 and 3: its file name is taken by the family's recipe.
+    return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it, or run the "
+            "generic recipes/sft.py")
+
+
+def part_that_loads(config) -> type | None:
+    """The class AutoModelForCausalLM builds from one of the config's sub-configs, leaving the rest of the checkpoint
+    out (Qwen 3.5's and Llama 4's text models), or None when it builds the whole model."""
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        return None
+    model_class = mapping[type(config)]
+    sub_config_classes = {type(getattr(config, key, None)) for key in config.sub_configs}
+    return model_class if model_class.config_class in sub_config_classes - {type(config)} else None
 
 
 def _check_attention(cfg: TrainConfig, model_type: str, allowed: tuple[str, ...] | None, source: str) -> None:

@@ -35,36 +35,41 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def model_config_overrides(cfg: TrainConfig) -> dict:
-    """Model config attributes the recipe config sets (the MoE router loss); one the model lacks is an error."""
+def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
+    """Model config attributes the recipe config sets (the MoE router loss), and the values config.json has for them,
+    which the exported folders keep (batched generate fails with output_router_logits on). One the model lacks is
+    an error."""
     overrides = {key: getattr(cfg, key) for key in ("output_router_logits", "router_aux_loss_coef")
                  if getattr(cfg, key) is not None}
-    if overrides:
-        config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-        missing = [key for key in overrides if not hasattr(config, key)]
-        if missing:
-            raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "
-                              "(they are not a mixture of experts): remove it")
-        # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
-        # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
-        if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
-                and not getattr(config, "output_router_logits", False)):
-            raise ConfigError("router_aux_loss_coef is set, but the model's config.json has output_router_logits "
-                              "false, so the model computes no router loss: add --output_router_logits true, or "
-                              "remove router_aux_loss_coef")
-    return overrides
+    if not overrides:
+        return {}, {}
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    missing = [key for key in overrides if not hasattr(config, key)]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "
+                          "(they are not a mixture of experts): remove it")
+    # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
+    # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
+    if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
+            and not getattr(config, "output_router_logits", False)):
+        raise ConfigError("router_aux_loss_coef is set, but the model's config.json has output_router_logits "
+                          "false, so the model computes no router loss: add --output_router_logits true, or "
+                          "remove router_aux_loss_coef")
+    return overrides, {key: getattr(config, key) for key in overrides}
 
 
 def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
+    overrides, saved_values = model_config_overrides(cfg)
     model = AutoModelForCausalLM.from_pretrained(
         cfg.model_name_or_path,
         dtype=dtype,
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
-        **model_config_overrides(cfg),
+        **overrides,
     )
     model.config.use_cache = False  # the KV cache only costs memory in training
+    model.config_for_export = saved_values  # see export.write_model_files
     return model
 
 
@@ -88,20 +93,32 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         return shard_model(load_model(cfg, dtype), plan, device)
 
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    for key, value in model_config_overrides(cfg).items():
-        setattr(config, key, value)
+    overrides, saved_values = model_config_overrides(cfg)
+    config.update(overrides)
     # Buffers stay real: non-persistent ones (rotary frequencies) are computed here, not read from the checkpoint.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
     model.config.use_cache = False  # as load_model: after the generation config was derived from it
+    model.config_for_export = saved_values
     if model.can_generate():
         model.generation_config = checkpoint_generation_config(cfg.model_name_or_path)
     model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    loaded = {}
+
+    def read_weights() -> dict:
+        full = load_model(cfg, dtype)
+        # The renames from_pretrained applied, which the export reverses to write the Hub layout: a model built from
+        # its config has none recorded, and the defaults transformers looks up by class name miss FSDP2's class.
+        loaded["conversions"] = getattr(full, "_weight_conversions", None)
+        return full.state_dict()
+
     # Rank 0 reads (or downloads) the weights alone; the others get None, an empty dict that the broadcast fills.
-    full_state = run_on_rank0(lambda: load_model(cfg, dtype).state_dict(), "to read the weights") or {}
+    full_state = run_on_rank0(read_weights, "to read the weights") or {}
+    if loaded.get("conversions") is not None:  # rank 0, which writes the exports
+        model._weight_conversions = loaded["conversions"]
 
     model = shard_model(model, plan, device)
     if any(p.is_meta for p in model.parameters()):  # FSDP1 allocated while wrapping; FSDP2 allocates here

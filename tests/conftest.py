@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fsdp_recipes import demo
 
@@ -53,6 +54,14 @@ def write_tiny_model(path: Path, dtype=torch.bfloat16, **config_overrides) -> Pa
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process group in memory, for the code that runs on every rank, called in the test's process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

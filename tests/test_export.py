@@ -7,11 +7,15 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration,
+                          GPTNeoXConfig)
 
 from fsdp_recipes import demo
 from fsdp_recipes.convert import set_config_dtype_in_json
-from fsdp_recipes.export import write_model_files
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.export import save_hf_model, write_model_files
+from fsdp_recipes.model import load_sharded_model
+from fsdp_recipes.plan import resolve_plan
 
 from conftest import read_metrics, run, torchrun
 
@@ -49,6 +53,25 @@ def test_export_reloads_with_logits_equal_to_gathered_weights(tiny, tmp_path, mo
         initial = AutoModelForCausalLM.from_pretrained(tiny[model_key], dtype=dtype).eval()
         with torch.no_grad():
             assert not torch.equal(initial(inputs).logits, reference(inputs).logits)
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_rank0_loading_exports_the_hub_layout(tmp_path, fsdp_version, one_process_group):
+    # GPT-NeoX's output layer is embed_out on the Hub and lm_head in transformers 5: the export renames it back,
+    # also when rank 0 alone read the weights into a model built from its config.
+    tokenizer = demo.build_tokenizer()
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--mixed_precision",
+                        "no", "--fsdp_version", str(fsdp_version), "--fsdp_cpu_ram_efficient_loading", "true"])
+    model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    source, final = (safe_open(str(tmp_path / d / "model.safetensors"), "pt") for d in ["source", "final"])
+    assert "embed_out.weight" in source.keys()
+    assert set(final.keys()) == set(source.keys())
+    assert all(torch.equal(final.get_tensor(k), source.get_tensor(k)) for k in source.keys())
 
 
 REMOTE_CONFIG = """from transformers import LlamaConfig
@@ -119,9 +142,12 @@ def test_generation_stops_where_the_chat_template_closes_a_turn(tmp_path, eos, e
     model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # A base model's sampling default without do_sample: from_pretrained accepts it, so the export keeps it as it is.
+    model.generation_config.temperature = 0.6
     write_model_files(model, tokenizer, str(tmp_path), torch.float32)
-    saved = json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"]
-    assert saved == tokenizer.convert_tokens_to_ids(expected)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    assert saved["eos_token_id"] == tokenizer.convert_tokens_to_ids(expected)
+    assert (saved["temperature"], saved.get("do_sample", False)) == (0.6, False)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id  # the training model's is left alone
 
 

@@ -168,6 +168,14 @@ def test_recipe_trains_and_exports_its_family(family, data, tmp_path):
         run([sys.executable, "-m", "fsdp_recipes.convert", tmp_path / "run" / "checkpoint-8", tmp_path / "converted"])
         converted = load_file(tmp_path / "converted" / "model.safetensors")
         assert converted.keys() == final.keys() and all(torch.equal(converted[k], final[k]) for k in final)
+        # The router loss was on for training only: the folders keep config.json's settings (off, coefficient
+        # 0.001), with which batched generate works.
+        source = json.loads((model_dir / "config.json").read_text())
+        for folder in [tmp_path / "run" / "final", tmp_path / "converted"]:
+            saved = json.loads((folder / "config.json").read_text())
+            assert [saved["output_router_logits"], saved["router_aux_loss_coef"]] == [
+                source["output_router_logits"], source["router_aux_loss_coef"]] == [False, 0.001]
+        assert reloaded.generate(inputs[:2, :8], min_new_tokens=2, max_new_tokens=2, do_sample=False).shape == (2, 10)
 
 
 def tiny_moe_step():
@@ -290,6 +298,29 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
             ("sft.py", generic, "gemma2 models need attn_implementation eager or flash_attention_2")]:
         proc = run([sys.executable, f"recipes/{recipe}", *recipe_args], expect_rc=2)
         assert re.search(f"^error: {message}", proc.stderr, re.MULTILINE), proc.stderr
+
+
+def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_model(tmp_path):
+    def check(model_dir, recipe, model_types):
+        args = ["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
+        check_model_type(parse_config(args), model_types, str(REPO / "recipes" / recipe))
+
+    qwen2 = write_model(tmp_path / "qwen2", FAMILIES["qwen2"][2])
+    with pytest.raises(ConfigError, match=f"but {qwen2} is a qwen2 model: run {REPO}/recipes/qwen2_sft.py$"):
+        check(qwen2, "llama_sft.py", {"llama": None})
+    # Gemma 1: the file named after it is the recipe of Gemma 2 and 3, so `make new-recipe MODEL=gemma` would fail.
+    AutoConfig.for_model("gemma", **TINY).save_pretrained(tmp_path / "gemma")
+    with pytest.raises(ConfigError, match=f'is a gemma model: add "gemma" to MODEL_TYPES in {REPO}/recipes/gemma_sft.py'):
+        check(tmp_path / "gemma", "gemma_sft.py", {"gemma2": None, "gemma3_text": None})
+    # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
+    AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
+    with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
+                                          r"Llama4ForCausalLM part alone: .* \(model_type llama4_text\)"):
+        check(tmp_path / "llama4", "sft.py", None)
+    # A folder without config.json (a run's output_dir rather than its final/): one line, not a traceback.
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ConfigError, match=f"model_name_or_path: .*{tmp_path}/run"):
+        check(tmp_path / "run", "sft.py", None)
 
 
 class Block(nn.Module):
