@@ -40,7 +40,7 @@ def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size
         model = LlamaForCausalLM(config)
         optimizer = build_optimizer(model, cfg)  # no step taken: the optimizer folder stays small
         scheduler = get_scheduler("constant", optimizer)
-        path = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step=1, epoch=0, wandb_run_id=None)
+        path = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step=1, epoch=0, wandb_run=None)
         sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return path, sum(sizes), max(sizes)
 

@@ -5,8 +5,8 @@ A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
   "sharded"; in the "full" format the folder itself holds the fp32 weights as HF safetensors, written by rank 0.
 - `optimizer/`: the optimizer state (DCP, each rank its shards; DCP reloads it into any world size).
 - `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
-- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run id, the resolved config and the
-  training data's identity (rows and a hash of its tokens).
+- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run (id, project, entity), the resolved
+  config and the training data's identity (rows and a hash of its tokens).
 - `config.json`, `generation_config.json`, tokenizer files (named chat templates in `additional_chat_templates/`),
   the source's processor files: what the converter needs to write an HF folder.
 
@@ -52,6 +52,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, replace_dir, tied_parameter_names,
                      write_gathered_weights, write_model_files)
+from .metrics import saved_wandb_run
 from .plan import TRUE
 from .progress import print_line
 from .schedule import count_total_steps
@@ -207,7 +208,7 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     check_shared_output_dir). A fresh run (or a resume from a checkpoint elsewhere) into an output_dir that holds
     an earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with
     them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, rank 0 removes
-    them."""
+    them. A resume logging to W&B must log to the project of the checkpoint's W&B run (check_wandb_project)."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
     if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
@@ -215,10 +216,11 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                                         f"the one its `latest` file names")
     # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
     inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
+    if cfg.overwrite_output_dir and inside:
+        raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
+                          f"{resume} resumes from one of them: pass only one of the two")
+    check_wandb_project(cfg)  # before anything is removed
     if cfg.overwrite_output_dir:
-        if inside:
-            raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
-                              f"{resume} resumes from one of them: pass only one of the two")
         # Not written by a run (e.g. a wandb folder): left alone.
         earlier = [os.path.join(out, name) for name in (os.listdir(out) if os.path.isdir(out) else [])
                    if name in _RUN_OUTPUTS or name.startswith("checkpoint-")]
@@ -252,6 +254,27 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                   f"another of them to continue, " if steps else "")
     raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
                       f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
+
+
+def check_wandb_project(cfg: TrainConfig) -> None:
+    """A resume that logs to W&B continues the W&B run of its checkpoint, which lives in one project: its id in
+    another project (the default one, for a resume without the first run's --wandb_project) would start a second
+    run there, each with part of the history. Every rank calls this, and reads the checkpoint `latest` names as
+    rank 0 does."""
+    resume = cfg.resume_from_checkpoint
+    if cfg.report_to != "wandb" or not resume:
+        return
+    path = latest_checkpoint(cfg.output_dir) if resume == "auto" else resume
+    if path is None:
+        return  # auto, and no checkpoint yet: a fresh run
+    try:
+        saved = saved_wandb_run(path)
+    except (OSError, ValueError):  # unreadable: validate_checkpoint says so before the resume
+        return
+    # No run id: the checkpoint's run did not log to W&B, and this one starts a W&B run of its own.
+    if saved["wandb_run_id"] and saved["wandb_project"] != cfg.wandb_project:
+        raise ConfigError(f"{path} continues W&B run {saved['wandb_run_id']} of project {saved['wandb_project']}: "
+                          f"pass --wandb_project {saved['wandb_project']}")
 
 
 def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
@@ -539,9 +562,10 @@ def sharded_model_state_dict(model: nn.Module) -> dict:
 
 
 def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
-                    wandb_run_id: Optional[str], train_data: Optional[dict] = None) -> str:
-    """Every rank calls this. Returns the path of the finished checkpoint. `train_data` is rank 0's
-    training_data_identity of the run's data (None: not recorded, and a resume cannot compare it)."""
+                    wandb_run: Optional[dict], train_data: Optional[dict] = None) -> str:
+    """Every rank calls this. Returns the path of the finished checkpoint. `wandb_run` is MetricsLogger's
+    wandb_run_state (None: not recorded); `train_data` is rank 0's training_data_identity of the run's data (None: not
+    recorded, and a resume cannot compare it)."""
     fmt = resolve_state_dict_type(cfg)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
@@ -558,8 +582,8 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
-                     "scheduler": scheduler.state_dict(), "wandb_run_id": wandb_run_id, "config": cfg.to_dict(),
-                     "train_data": train_data}
+                     "scheduler": scheduler.state_dict(), **(wandb_run or {}),
+                     "config": cfg.to_dict(), "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)
             # The files rank 0 wrote into the folder: the state, the model files, the full format's weights (DCP

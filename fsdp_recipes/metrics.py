@@ -1,7 +1,7 @@
 """Metrics: one JSON line per logged event in <output_dir>/metrics.jsonl, and W&B when asked. Rank 0 writes.
 
-Only global rank 0 creates a W&B run. Its id is saved in every checkpoint; a run resumed from a checkpoint
-continues the same W&B run, on the same step axis (the optimizer step).
+Only global rank 0 creates a W&B run. Its id, project and entity are saved in every checkpoint; a run resumed from a
+checkpoint continues the same W&B run there, on the same step axis (the optimizer step).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import torch
 from .config import ConfigError, TrainConfig
 
 _VERSIONED_PACKAGES = ["fsdp-recipes", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
+# Where a checkpoint's trainer_state.json says its W&B run is.
+WANDB_STATE_KEYS = ("wandb_run_id", "wandb_project", "wandb_entity")
 
 
 def library_versions() -> dict[str, str]:
@@ -61,12 +63,17 @@ def parsed_step(line: str) -> float:
         return math.inf
 
 
-def saved_wandb_run_id(checkpoint: Optional[str]) -> Optional[str]:
-    """The W&B run id saved in a checkpoint's trainer_state.json (None if the run did not log to W&B)."""
+def saved_wandb_run(checkpoint: Optional[str]) -> dict[str, Optional[str]]:
+    """The W&B run saved in a checkpoint's trainer_state.json, by WANDB_STATE_KEYS: its id (None if the run did not
+    log to W&B), project and entity."""
     if checkpoint is None:
-        return None
+        return dict.fromkeys(WANDB_STATE_KEYS)
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        return json.load(f).get("wandb_run_id")
+        state = json.load(f)
+    saved = {key: state.get(key) for key in WANDB_STATE_KEYS}
+    # Saved before the project was: the run's config names the project it logged to.
+    saved["wandb_project"] = saved["wandb_project"] or state.get("config", {}).get("wandb_project")
+    return saved
 
 
 class MetricsLogger:
@@ -85,16 +92,23 @@ class MetricsLogger:
         if cfg.report_to == "wandb":
             import wandb
 
-            run_id = saved_wandb_run_id(resume_from)
+            saved = saved_wandb_run(resume_from)
+            run_id = saved["wandb_run_id"]
             self.wandb_run = wandb.init(
-                project=cfg.wandb_project, name=cfg.run_name, id=run_id, resume="allow" if run_id else None,
+                # A resumed run continues where its W&B run is: the project checkpoint.check_wandb_project compared,
+                # and the entity saved (another default entity or WANDB_ENTITY would split the run).
+                project=cfg.wandb_project, entity=saved["wandb_entity"] or None, name=cfg.run_name, id=run_id,
+                resume="allow" if run_id else None,
                 config={**cfg.to_dict(), **(run_config or {}), "versions": library_versions()},
                 allow_val_change=bool(run_id),  # a resumed run may change e.g. max_steps
             )
 
     @property
-    def wandb_run_id(self) -> Optional[str]:
-        return self.wandb_run.id if self.wandb_run is not None else None
+    def wandb_run_state(self) -> dict[str, Optional[str]]:
+        """The W&B run's id, project and entity by WANDB_STATE_KEYS (None without W&B), for each checkpoint."""
+        if self.wandb_run is None:
+            return dict.fromkeys(WANDB_STATE_KEYS)
+        return dict(zip(WANDB_STATE_KEYS, (self.wandb_run.id, self.wandb_run.project, self.wandb_run.entity)))
 
     def start_at(self, step: int) -> None:
         """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest."""
@@ -106,6 +120,13 @@ class MetricsLogger:
                 kept = [line for line in f if parsed_step(line) <= step]
         with open(self.path, "w") as f:
             f.writelines(kept)
+
+    def evaluated(self, step: int) -> bool:
+        """Whether metrics.jsonl holds an evaluation of `step`, as rank 0 reads it after start_at (False elsewhere)."""
+        if not self.is_main:
+            return False
+        with open(self.path) as f:
+            return any(m["step"] == step and "eval/loss" in m for m in map(json.loads, f))
 
     def log(self, metrics: dict) -> None:
         """One event of step metrics["step"]: a line of metrics.jsonl, and the same keys in W&B at that step."""

@@ -140,7 +140,8 @@ def evaluate(model: nn.Module, eval_dataset, cfg: TrainConfig, tokenizer, env: D
 def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
           resume_from: str | None = None, eval_dataset=None) -> None:
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
-    eval_dataset (if any) every eval_steps and at the end."""
+    eval_dataset (if any) every eval_steps and at the end, and at the checkpoint's step if that evaluation is not in
+    metrics.jsonl."""
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")
@@ -169,6 +170,20 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                    f"{left_out} that do not fill a global batch of {global_batch} are left out, others each epoch)"
                    if left_out else ""))
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
+
+    def evaluate_and_log(step: int) -> None:
+        eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
+        logger.log({"step": step, **eval_metrics})
+        progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
+                       f"perplexity {eval_metrics['eval/perplexity']:.3f}")
+
+    if resume_from and eval_dataset is not None and cfg.eval_steps and start_step % cfg.eval_steps == 0:
+        # A step saves its checkpoint before it evaluates: an evaluation that failed (out of memory) runs now, as the
+        # resumed run starts after that step. Rank 0's metrics.jsonl says whether it did; every rank takes part.
+        evaluated = [logger.evaluated(start_step)]
+        dist.broadcast_object_list(evaluated, src=0)
+        if not evaluated[0]:
+            evaluate_and_log(start_step)
 
     # Throughput over the steps since the last log: only logging steps wait for the device, so a single step's
     # host time says little; the interval's does. Evaluation and checkpoint saves are not counted.
@@ -240,10 +255,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             last_checked = step
         if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
             save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
-                            logger.wandb_run_id, train_data)
+                            logger.wandb_run_state, train_data)
         if evaluate_now:
-            eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
-            logger.log({"step": step, **eval_metrics})
-            progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
-                           f"perplexity {eval_metrics['eval/perplexity']:.3f}")
+            evaluate_and_log(step)
     progress.close()

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, get_scheduler
 
-import torch.distributed as dist
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
                                      model_config_differences, prepare_output_dir, resolve_resume,
@@ -33,11 +32,14 @@ from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_c
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
+from fsdp_recipes.distributed import DistEnv
+from fsdp_recipes import trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
+from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model, state_dict_name
-from fsdp_recipes.trainer import build_optimizer
+from fsdp_recipes.trainer import build_optimizer, train
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
@@ -573,14 +575,6 @@ def test_replace_dir_after_a_kill_that_left_the_old_folder(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out"] and (tmp_path / "out" / "weights").read_text() == "new"
 
 
-@pytest.fixture
-def one_process_group():
-    """A one-process group in memory, for the checks that run on every rank."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def config(tmp_path, *extra):
     return parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                          *map(str, extra)])
@@ -732,6 +726,63 @@ def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tm
                 tmp_path / "no_such_data.jsonl", "--output_dir", tmp_path], expect_rc=2)
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path} holds final of an earlier run")
     assert sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def test_a_resume_logging_to_wandb_must_name_the_project_of_the_checkpoints_run(tmp_path, one_process_group):
+    """The run's id in another project would be a second W&B run there, with the rest of the history."""
+    checkpoint = fake_checkpoint(tmp_path / "checkpoint-4")
+    (tmp_path / "latest").write_text("checkpoint-4")
+    state = {"wandb_run_id": "ab12cd34", "wandb_project": "proj-a", "wandb_entity": "team",
+             "config": {"wandb_project": "proj-a"}}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    expected = f"{checkpoint} continues W&B run ab12cd34 of project proj-a: pass --wandb_project proj-a"
+    for resume in ["auto", checkpoint]:
+        for project in [[], ["--wandb_project", "proj-b"]]:  # the default project, or another
+            with pytest.raises(ConfigError) as error:
+                prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", resume, "--report_to", "wandb",
+                                          *project))
+            assert str(error.value) == expected
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", resume, "--report_to", "wandb",
+                                  "--wandb_project", "proj-a"))
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", resume))  # not logging to W&B
+    # Saved before the project was: the config of the checkpoint's run names it.
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "wandb_project": None}))
+    with pytest.raises(ConfigError, match=f"^{expected}$"):
+        prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--report_to", "wandb"))
+    # A checkpoint of a run without W&B: this run starts a W&B run of its own, in any project.
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "wandb_run_id": None}))
+    prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--report_to", "wandb"))
+
+
+def test_an_evaluation_that_failed_after_its_checkpoint_runs_first_on_resume(tiny, tmp_path, one_process_group,
+                                                                              monkeypatch):
+    """A step saves its checkpoint, then evaluates; the resume from that checkpoint starts at the next step. So an
+    evaluation that failed (out of memory, simulated) runs before it, logged at its own step, once."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--max_steps", "2", "--eval_fraction", "0.07",
+                                                        "--eval_steps", "2", "--logging_steps", "1")])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    train_data, eval_data = build_datasets(cfg, tokenizer)
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(trainer, "evaluate", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True), None, eval_data)
+    monkeypatch.undo()
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]  # and checkpoint-2
+    step_2 = trainer.evaluate(model, eval_data, cfg, tokenizer, env)  # the weights checkpoint-2 holds
+    longer = dataclasses.replace(cfg, max_steps=3)
+    for _ in range(2):  # the second resume finds the evaluation in metrics.jsonl
+        resumed = shard_model(load_model(longer), resolve_plan(longer))
+        train(longer, env, resumed, tokenizer, train_data, MetricsLogger(longer, is_main=True),
+              str(tmp_path / "checkpoint-2"), eval_data)
+        metrics = read_metrics(tmp_path / "metrics.jsonl")
+        assert [(m["step"], "eval/loss" in m) for m in metrics] == [(1, False), (2, False), (2, True), (3, False),
+                                                                    (3, True)]
+        assert metrics[2] == {"step": 2, **step_2}
 
 
 def resume_inputs(tiny, *args):

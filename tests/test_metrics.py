@@ -60,7 +60,8 @@ def run_on_terminal(cmd: list, timeout: int = 600, **env: str) -> subprocess.Com
 @pytest.fixture(scope="module")
 def observed(tiny, tmp_path_factory):
     """4 steps under the recording driver (checkpoints at 2 and 4), then resumed by the plain recipe to step 6.
-    The first run shows on a terminal (progress bar), the resumed one writes to pipes (plain progress lines).
+    The first run shows on a terminal (progress bar), the resumed one writes to pipes (plain progress lines). Only
+    the first run sets WANDB_ENTITY, as when a default entity changes between the two.
 
     17 held-out examples (7% of 256) in eval batches of 8: rank 0 gets 9 rows, rank 1 gets 8 and one dummy batch.
     """
@@ -69,9 +70,11 @@ def observed(tiny, tmp_path_factory):
     common = ["--config", "recipes/configs/llama_sft.yaml", "--model_name_or_path", tiny["model"],
               "--dataset_name", tiny["data"], "--output_dir", root / "out", "--per_device_train_batch_size", "4",
               "--max_seq_length", "64", "--logging_steps", "1", "--mixed_precision", "no", "--eval_fraction", "0.07",
-              "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--save_steps", "2", "--report_to", "wandb"]
+              "--eval_steps", "2", "--per_device_eval_batch_size", "8", "--save_steps", "2", "--report_to", "wandb",
+              "--wandb_project", "fsdp-recipes-tests"]
     first = run_on_terminal([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             DRIVER, root / "records", *common, "--max_steps", "4"], WANDB_DIR=str(root))
+                             DRIVER, root / "records", *common, "--max_steps", "4"], WANDB_DIR=str(root),
+                            WANDB_ENTITY="fsdp-team")
     resumed = torchrun(RECIPE, *common, "--max_steps", "6", "--resume_from_checkpoint", "auto",
                        "--generation_prompts", *PROMPTS, "--generation_max_new_tokens", "8", WANDB_DIR=str(root))
     records = {r: read_metrics(root / "records" / f"rank_{r}.jsonl") for r in (0, 1)}
@@ -89,6 +92,10 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     first, resumed = (run_summary(path) for path in runs)
     state = json.loads((observed["out"] / "checkpoint-4" / "trainer_state.json").read_text())
     assert first["id"] == resumed["id"] == state["wandb_run_id"]
+    # Where the run is, saved beside its id: the resumed run continues it there.
+    assert (first["project"], first["entity"]) == (state["wandb_project"], state["wandb_entity"]) == (
+        "fsdp-recipes-tests", "fsdp-team")
+    assert (resumed["project"], resumed["entity"]) == ("fsdp-recipes-tests", "fsdp-team")
     # The step axis continues: 1-4, then 5-6, with nothing repeated and no gap.
     assert sorted(first["history"]) == [1, 2, 3, 4] and sorted(resumed["history"]) == [5, 6]
     history = {**first["history"], **resumed["history"]}

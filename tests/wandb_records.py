@@ -37,12 +37,12 @@ def read_records(path: Path) -> list:
 
 
 def run_summary(path: Path) -> dict:
-    """run id, config (key -> value) and history ({step: {key: value}}) of a run file."""
-    run_id, config, history = None, {}, {}
+    """run id, entity and project, config (key -> value) and history ({step: {key: value}}) of a run file."""
+    run_id, entity, project, config, history = None, None, None, {}, {}
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run_id = record.run.run_id
+            run_id, entity, project = record.run.run_id, record.run.entity, record.run.project
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
         elif kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
@@ -52,4 +52,4 @@ def run_summary(path: Path) -> dict:
                 name = item.key or "/".join(item.nested_key)
                 if not name.startswith("_"):  # wandb's own (_step, _runtime, ...)
                     row[name] = json.loads(item.value_json)
-    return {"id": run_id, "config": config, "history": history}
+    return {"id": run_id, "entity": entity, "project": project, "config": config, "history": history}
