@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration,
-                          GPTNeoXConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
+                          Gemma3ForConditionalGeneration, GPTNeoXConfig)
 
 from fsdp_recipes import demo
 from fsdp_recipes.convert import set_config_dtype_in_json
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.export import save_hf_model, write_model_files
-from fsdp_recipes.model import load_sharded_model
+from fsdp_recipes.model import load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 
 from conftest import read_metrics, run, torchrun
@@ -149,6 +149,20 @@ def test_generation_stops_where_the_chat_template_closes_a_turn(tmp_path, eos, e
     assert saved["eos_token_id"] == tokenizer.convert_tokens_to_ids(expected)
     assert (saved["temperature"], saved.get("do_sample", False)) == (0.6, False)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id  # the training model's is left alone
+
+
+def test_a_tokenizer_without_a_pad_token_is_exported_with_the_one_training_padded_with(tmp_path):
+    # Llama 3's tokenizer has no pad token: training pads with EOS (load_tokenizer), and the export says so.
+    tokenizer = demo.build_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "source")
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1))
+    cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x"])
+    write_model_files(model, load_tokenizer(cfg), str(tmp_path / "final"), torch.float32)
+    assert AutoTokenizer.from_pretrained(tmp_path / "source").pad_token is None
+    exported = AutoTokenizer.from_pretrained(tmp_path / "final")
+    assert (exported.pad_token, exported.pad_token_id) == ("<|end|>", tokenizer.eos_token_id)
 
 
 def test_a_multimodal_config_records_the_dtype_in_each_sub_config(tmp_path):
