@@ -38,7 +38,7 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import INDEX_NAME, original_layout_of, write_hf_weights
+from .export import INDEX_NAME, original_layout_of, weight_dtypes, write_hf_weights
 from .flops import build_meta_model
 
 # What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
@@ -84,11 +84,15 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
         # A sharded checkpoint holds a tied lm_head under both names; an HF folder holds it once and reloads it tied.
         if config.get("tie_word_embeddings"):
             shapes.pop("lm_head.weight", None)
-        # The original (Hub) layout, as final/ is written; a model with its own code (auto_map) has no conversions.
+        # The original (Hub) layout, and the modules kept in fp32, as final/ is written; a model with its own code
+        # (auto_map) is not built here: its weights are written as they are, all in `dtype`.
+        dtypes = dict.fromkeys(shapes, dtype)
         if "auto_map" not in config:
-            layout = original_layout_of(build_meta_model(AutoConfig.from_pretrained(checkpoint)), shapes)
+            model = build_meta_model(AutoConfig.from_pretrained(checkpoint))
+            layout = original_layout_of(model, shapes)
             shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-        write_hf_weights(out_dir, shapes, dtype, max_shard_size, load_tensor)
+            dtypes = weight_dtypes(model, shapes, dtype)
+        write_hf_weights(out_dir, shapes, dtypes, max_shard_size, load_tensor)
     # The model files as saved with the checkpoint (tokenizer, named chat templates in additional_chat_templates/,
     # processor files, generation config, the model's own code); config.json records the output dtype.
     for name in os.listdir(checkpoint):

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -60,32 +61,50 @@ WRITE_CHUNK_ELEMENTS = 1 << 20  # elements cast and written at a time: 4 MB of f
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def weight_dtypes(model: nn.Module, names, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each tensor in a folder of `dtype`: fp32 for the modules the model keeps in fp32, as
+    from_pretrained loads and save_pretrained writes them (a DeepSeek V3 or GLM-4.5 router's gate.weight and
+    e_score_correction_bias in bf16 and fp16, some norms in fp16), `dtype` for the rest."""
+    model = model.module if isinstance(model, FSDP) else model
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:  # bf16 weights overflow in fp16
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    # transformers' patterns: a "*" matches anything, and a pattern matches anywhere in the name.
+    kept = re.compile("|".join(pattern.replace("*", ".*") for pattern in sorted(keep))) if keep else None
+    return {name: torch.float32 if kept and kept.search(name) else dtype for name in names}
+
+
 def write_hf_weights(
     out_dir: str,
     shapes: dict[str, torch.Size],
-    dtype: torch.dtype,
+    dtypes: dict[str, torch.dtype],
     max_shard_size: str,
     load_tensor: Callable[[str], torch.Tensor],
 ) -> None:
-    """Write the tensors named in `shapes`, cast to `dtype`, as safetensors files of at most `max_shard_size` each.
+    """Write the tensors named in `shapes`, each cast to its dtype in `dtypes` (weight_dtypes), as safetensors files
+    of at most `max_shard_size` each.
 
     Each file's header is planned from the shapes alone, then `load_tensor(name)` is called once per tensor and its
     bytes are appended to the open file, cast a slice at a time: only one tensor (and a 4 MB cast slice) is held.
     """
-    if dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"cannot write {dtype} weights: use one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
+    unwritable = set(dtypes.values()) - SAFETENSORS_DTYPES.keys()
+    if unwritable:
+        raise ValueError(f"cannot write {', '.join(map(str, unwritable))} weights: use one of "
+                         f"{', '.join(map(str, SAFETENSORS_DTYPES))}")
     if sys.byteorder != "little":  # safetensors stores little-endian bytes; the tensors' own bytes are written as is
         raise RuntimeError("writing safetensors files needs a little-endian machine")
     # Meta tensors: the split needs only sizes, so planning costs no memory.
-    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, shape in shapes.items()}
+    meta = {name: torch.empty(shape, dtype=dtypes[name], device="meta") for name, shape in shapes.items()}
     split = split_torch_state_dict_into_shards(meta, max_shard_size=shard_size_in_bytes(max_shard_size))
     for filename, names in split.filename_to_tensors.items():
         with open(os.path.join(out_dir, filename), "wb") as f:
-            f.write(_safetensors_header({name: shapes[name] for name in names}, dtype))
+            f.write(_safetensors_header({name: (shapes[name], dtypes[name]) for name in names}))
             for name in names:
                 # In a function of its own: no variable of this loop keeps the tensor (or a view of it) alive while
                 # the next one loads.
-                _append_tensor(f, name, load_tensor(name), shapes[name], dtype)
+                _append_tensor(f, name, load_tensor(name), shapes[name], dtypes[name])
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
@@ -101,11 +120,12 @@ def _append_tensor(f, name: str, tensor: torch.Tensor, shape: torch.Size, dtype:
         f.write(piece.to(dtype).view(torch.uint8).numpy())
 
 
-def _safetensors_header(shapes: dict[str, torch.Size], dtype: torch.dtype) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding `shapes` of `dtype` contiguously, in order."""
+def _safetensors_header(tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `tensors` (name: shape and dtype)
+    contiguously, in order."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in shapes.items():
+    for name, (shape, dtype) in tensors.items():
         end = offset + math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
         offset = end
@@ -243,7 +263,7 @@ def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]
         if original_layout:
             layout = original_layout_of(model.module if isinstance(model, FSDP) else model, shapes)
             shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-        write_hf_weights(out_dir, shapes, dtype, max_shard_size, load_tensor)
+        write_hf_weights(out_dir, shapes, weight_dtypes(model, shapes, dtype), max_shard_size, load_tensor)
 
 
 class OriginalLayout:

@@ -8,14 +8,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
-                          Gemma3ForConditionalGeneration, GPTNeoXConfig)
+                          Gemma3ForConditionalGeneration, GPTNeoXConfig, get_scheduler)
 
 from fsdp_recipes import demo
-from fsdp_recipes.convert import set_config_dtype_in_json
+from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import parse_config
+from fsdp_recipes.convert import convert, set_config_dtype_in_json
 from fsdp_recipes.export import save_hf_model, write_model_files
 from fsdp_recipes.model import load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.trainer import build_optimizer
 
 from conftest import read_metrics, run, torchrun
 
@@ -72,6 +74,39 @@ def test_rank0_loading_exports_the_hub_layout(tmp_path, fsdp_version, one_proces
     assert "embed_out.weight" in source.keys()
     assert set(final.keys()) == set(source.keys())
     assert all(torch.equal(final.get_tensor(k), source.get_tensor(k)) for k in source.keys())
+
+
+def test_modules_kept_in_fp32_are_exported_and_converted_in_fp32(tmp_path, one_process_group):
+    # GLM-4.5 (as DeepSeek V3) keeps its router's gate.weight and e_score_correction_bias in fp32 in a bf16 model,
+    # as from_pretrained loads and save_pretrained writes them: bf16 would round the expert choice's scores.
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model("glm4_moe", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, n_routed_experts=4,
+                                  num_experts_per_tok=2, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a bias of 1 + 2^-12: bf16 holds 1
+        source.model.layers[1].mlp.gate.e_score_correction_bias.fill_(1 + 2 ** -12)
+    source.save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--output_dir",
+                        str(tmp_path / "run"), "--mixed_precision", "no", "--save_state_dict_type", "sharded"])
+    model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.bfloat16)
+    optimizer = build_optimizer(model, cfg)
+    checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
+                                 epoch=0, wandb_run=None)
+    convert(checkpoint, str(tmp_path / "converted"), torch.bfloat16)
+    kept = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    expected = source.state_dict()
+    for folder in ["final", "converted"]:
+        with safe_open(str(tmp_path / folder / "model.safetensors"), "pt") as f:
+            assert {k for k in f.keys() if f.get_slice(k).get_dtype() == "F32"} == kept
+            assert all(torch.equal(f.get_tensor(k), expected[k]) for k in kept)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.bfloat16).state_dict()
+        assert all(reloaded[k].dtype == torch.float32 and torch.equal(reloaded[k], expected[k]) for k in kept)
+        assert reloaded["model.embed_tokens.weight"].dtype == torch.bfloat16
 
 
 REMOTE_CONFIG = """from transformers import LlamaConfig
