@@ -55,13 +55,14 @@ class Setting:
         return f"{self.strategy} with {' and '.join(extras)}"
 
     def recipe_keys(self, num_nodes: int) -> str:
-        keys = ["fsdp_reshard_after_forward: false"] * (self.strategy == "SHARD_GRAD_OP")
+        """Every key the setting depends on, false ones too: the recipe's YAML may set another value."""
+        keys = [f"fsdp_reshard_after_forward: {str(self.strategy != 'SHARD_GRAD_OP').lower()}"]
         # On several nodes the replica count is always given: slurm/launch_node.sh sets accelerate's to the node
         # count (HSDP), and FULL_SHARD and SHARD_GRAD_OP, estimated over every GPU, need the recipe's 1 to override it.
         keys += [f"dp_replicate_size: {num_nodes if self.strategy == 'HSDP' else 1}"] * (num_nodes > 1)
-        keys += ["fsdp_activation_checkpointing: true"] * self.activation_checkpointing
-        keys += ["fsdp_offload_params: true"] * self.offload
-        return ", ".join(keys) or "the defaults"
+        keys += [f"fsdp_activation_checkpointing: {str(self.activation_checkpointing).lower()}",
+                 f"fsdp_offload_params: {str(self.offload).lower()}"]
+        return ", ".join(keys)
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,8 @@ def test_70b_on_2_nodes_gets_full_shard_over_all_16_gpus(configs, llama_70b, tmp
     proposal = recommend(model, args, saved)
     assert proposal.startswith("recommended: FULL_SHARD with activation checkpointing: ")
     [keys] = re.findall(r"\(recipe config: (.*)\)$", proposal)
-    assert keys == "dp_replicate_size: 1, fsdp_activation_checkpointing: true"
+    assert keys == ("fsdp_reshard_after_forward: true, dp_replicate_size: 1, fsdp_activation_checkpointing: true, "
+                    "fsdp_offload_params: false")
     plan = plan_under_launch_node(keys, tmp_path, monkeypatch)
     assert plan.mesh_shape == (16,) and plan.reshard_after_forward and plan.activation_checkpointing
     assert "dp_replicate_size: recipe config 1 overrides accelerate config 2" in plan.overrides
@@ -364,6 +365,7 @@ def test_recipe_keys_on_2_nodes_shard_as_estimated_under_the_launcher(tmp_path, 
     plan = plan_under_launch_node(Setting(strategy, False, True).recipe_keys(2), tmp_path, monkeypatch)
     assert plan.mesh_shape == mesh
     assert plan.reshard_after_forward == (strategy != "SHARD_GRAD_OP") and plan.offload_params
+    assert not plan.activation_checkpointing  # said explicitly: a recipe YAML's true would not fit the estimate
 
 
 def test_bad_input_is_one_clear_line(tmp_path):
