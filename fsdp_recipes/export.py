@@ -15,7 +15,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import sys
@@ -35,7 +34,7 @@ from transformers.utils import cached_file
 from .config import shard_size_in_bytes
 from .data_formats import turn_closing_token_id
 from .distributed import run_on_rank0
-from .sharding import compute_device, state_dict_name
+from .sharding import compute_device, kept_in_fp32, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -62,17 +61,9 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 
 
 def weight_dtypes(model: nn.Module, names, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype of each tensor in a folder of `dtype`: fp32 for the modules the model keeps in fp32, as
-    from_pretrained loads and save_pretrained writes them (a DeepSeek V3 or GLM-4.5 router's gate.weight and
-    e_score_correction_bias in bf16 and fp16, some norms in fp16), `dtype` for the rest."""
-    model = model.module if isinstance(model, FSDP) else model
-    keep = set()
-    if dtype in (torch.float16, torch.bfloat16):
-        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if dtype == torch.float16:  # bf16 weights overflow in fp16
-        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    # transformers' patterns: a "*" matches anything, and a pattern matches anywhere in the name.
-    kept = re.compile("|".join(pattern.replace("*", ".*") for pattern in sorted(keep))) if keep else None
+    """The dtype of each tensor in a folder of `dtype`: fp32 for the weights the model keeps in fp32
+    (sharding.kept_in_fp32), as from_pretrained loads and save_pretrained writes them; `dtype` for the rest."""
+    kept = kept_in_fp32(model.module if isinstance(model, FSDP) else model, dtype)
     return {name: torch.float32 if kept and kept.search(name) else dtype for name in names}
 
 

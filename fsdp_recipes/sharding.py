@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -68,10 +69,27 @@ def tied_parameter_ids(model: nn.Module) -> set[int]:
     return tied
 
 
+def kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
+    """The names of the weights a model of `dtype` keeps in fp32, as from_pretrained loads them (None: none): a
+    DeepSeek V3 or GLM-4.5 router's gate.weight and e_score_correction_bias in bf16 and fp16, some norms in fp16."""
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:  # bf16 weights overflow in fp16
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    # transformers' patterns: a "*" matches anything, and a pattern matches anywhere in the name.
+    return re.compile("|".join(pattern.replace("*", ".*") for pattern in sorted(keep))) if keep else None
+
+
 def check_master_dtype(model: nn.Module, plan: ShardingPlan) -> None:
     """The optimizer updates these weights: fp32 unless pure bf16 was asked for. Fail before any step is taken."""
     expected = MASTER_DTYPE[plan.mixed_precision]
+    kept = kept_in_fp32(model, expected)
     for name, param in model.named_parameters():
+        if param.dtype != expected and kept and kept.search(name):
+            raise ConfigError(f"{name} is kept in fp32 by {model.config.model_type} models (transformers' "
+                              f"_keep_in_fp32_modules_strict), and mixed_precision {plan.mixed_precision} holds every "
+                              f"weight in {expected}: use mixed_precision bf16 (fp32 master weights, bf16 compute)")
         if param.dtype != expected:
             raise ConfigError(f"master weights must be {expected} for mixed_precision={plan.mixed_precision}, but "
                               f"{name} is {param.dtype}: load the model in {expected}")

@@ -12,7 +12,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma
 
 from fsdp_recipes import demo
 from fsdp_recipes.checkpoint import save_checkpoint
-from fsdp_recipes.config import parse_config
+from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
 from fsdp_recipes.export import save_hf_model, write_model_files
 from fsdp_recipes.model import load_sharded_model, load_tokenizer
@@ -107,6 +107,13 @@ def test_modules_kept_in_fp32_are_exported_and_converted_in_fp32(tmp_path, one_p
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.bfloat16).state_dict()
         assert all(reloaded[k].dtype == torch.float32 and torch.equal(reloaded[k], expected[k]) for k in kept)
         assert reloaded["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # Pure bf16 holds every weight in bf16: it cannot train these.
+    pure = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--mixed_precision",
+                         "pure_bf16"])
+    with pytest.raises(ConfigError, match=r"^model.layers.1.mlp.gate.weight is kept in fp32 by glm4_moe models "
+                                          r"\(transformers' _keep_in_fp32_modules_strict\), and mixed_precision "
+                                          r"pure_bf16 holds every weight in torch.bfloat16: use mixed_precision bf16"):
+        load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
 
 
 REMOTE_CONFIG = """from transformers import LlamaConfig
