@@ -15,7 +15,7 @@ from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
 from fsdp_recipes.export import save_hf_model, write_model_files
-from fsdp_recipes.model import load_sharded_model, load_tokenizer
+from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.trainer import build_optimizer
 
@@ -114,6 +114,24 @@ def test_modules_kept_in_fp32_are_exported_and_converted_in_fp32(tmp_path, one_p
                                           r"\(transformers' _keep_in_fp32_modules_strict\), and mixed_precision "
                                           r"pure_bf16 holds every weight in torch.bfloat16: use mixed_precision bf16"):
         load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
+
+
+def test_save_dtype_auto_is_the_dtype_config_json_records(tmp_path):
+    tokenizer = demo.build_tokenizer()
+    config = demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
+    for dtype, expected in [("bfloat16", torch.bfloat16), ("float16", torch.float16), (None, torch.float32)]:
+        config.dtype = dtype
+        config.save_pretrained(tmp_path / str(dtype))
+        if dtype is None:  # an older checkpoint's config.json, which records no dtype
+            assert "dtype" not in json.loads((tmp_path / "None" / "config.json").read_text())
+        args = ["--model_name_or_path", str(tmp_path / str(dtype)), "--dataset_name", "x"]
+        assert export_dtype(parse_config(args)) == expected
+        assert export_dtype(parse_config([*args, "--save_dtype", "float16"])) == torch.float16
+    # transformers 4's name for it
+    saved = json.loads((tmp_path / "None" / "config.json").read_text())
+    (tmp_path / "None" / "config.json").write_text(json.dumps({**saved, "torch_dtype": "bfloat16"}))
+    assert export_dtype(parse_config(["--model_name_or_path", str(tmp_path / "None"), "--dataset_name", "x"])) == (
+        torch.bfloat16)
 
 
 REMOTE_CONFIG = """from transformers import LlamaConfig
