@@ -70,8 +70,9 @@ def tied_parameter_ids(model: nn.Module) -> set[int]:
 
 
 def kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
-    """The names of the weights a model of `dtype` keeps in fp32, as from_pretrained loads them (None: none): a
-    DeepSeek V3 or GLM-4.5 router's gate.weight and e_score_correction_bias in bf16 and fp16, some norms in fp16."""
+    """The names of the weights a model of `dtype` keeps in fp32, as from_pretrained loads them (None: none), by the
+    model class's declarations: a DeepSeek V3 or GLM-4.5 router's e_score_correction_bias (and gate.weight, in newer
+    transformers) in bf16 and fp16, some norms in fp16."""
     keep = set()
     if dtype in (torch.float16, torch.bfloat16):
         keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
