@@ -38,7 +38,7 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import INDEX_NAME, original_layout_of, weight_dtypes, write_hf_weights
+from .export import INDEX_NAME, SAFETENSORS_DTYPES, original_layout_of, weight_dtypes, write_hf_weights
 from .flops import build_meta_model
 
 # What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
@@ -78,21 +78,22 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
     """Write the checkpoint's weights, model files and config.json (recording `dtype`) into the empty `out_dir`."""
     with contextlib.ExitStack() as open_files:
         if state["format"] == "sharded":
-            shapes, load_tensor = sharded_checkpoint_tensors(checkpoint)
+            shapes, stored, load_tensor = sharded_checkpoint_tensors(checkpoint)
         else:  # its fp32 safetensors, in the layout the resume loads
-            shapes, load_tensor = full_checkpoint_tensors(checkpoint, open_files)
+            shapes, stored, load_tensor = full_checkpoint_tensors(checkpoint, open_files)
         # A sharded checkpoint holds a tied lm_head under both names; an HF folder holds it once and reloads it tied.
         if config.get("tie_word_embeddings"):
             shapes.pop("lm_head.weight", None)
-        # The original (Hub) layout, and the modules kept in fp32, as final/ is written; a model with its own code
-        # (auto_map) is not built here: its weights are written as they are, all in `dtype`.
-        dtypes = dict.fromkeys(shapes, dtype)
+            stored.pop("lm_head.weight", None)
+        # The original (Hub) layout and the weights kept in fp32, as final/ is written; a model with its own code
+        # (auto_map) is not built here: its floating-point weights are all written in `dtype`, as they are.
+        model = None
         if "auto_map" not in config:
             model = build_meta_model(AutoConfig.from_pretrained(checkpoint))
             layout = original_layout_of(model, shapes)
             shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-            dtypes = weight_dtypes(model, shapes, dtype)
-        write_hf_weights(out_dir, shapes, dtypes, max_shard_size, load_tensor)
+            stored = {name: stored[layout.source[name]] for name in shapes}
+        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype), max_shard_size, load_tensor)
     # The model files as saved with the checkpoint (tokenizer, named chat templates in additional_chat_templates/,
     # processor files, generation config, the model's own code); config.json records the output dtype.
     for name in os.listdir(checkpoint):
@@ -124,8 +125,10 @@ def _umask() -> int:
     return mask
 
 
-def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], Callable[[str], torch.Tensor]]:
-    """The shapes of the model's tensors in a DCP checkpoint, from its metadata alone, and a loader of one."""
+def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype],
+                                                          Callable[[str], torch.Tensor]]:
+    """The shapes and dtypes of the model's tensors in a DCP checkpoint, from its metadata alone, and a loader of
+    one."""
     model_dir = os.path.join(checkpoint, "model")
     metadata = read_dcp_metadata(model_dir)
     tensors = {name: md for name, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
@@ -141,18 +144,23 @@ def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], 
             dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
         return tensor
 
-    return {name: md.size for name, md in tensors.items()}, load_tensor
+    shapes = {name: md.size for name, md in tensors.items()}
+    return shapes, {name: md.properties.dtype for name, md in tensors.items()}, load_tensor
 
 
 def full_checkpoint_tensors(checkpoint: str, open_files: contextlib.ExitStack
-                            ) -> tuple[dict[str, torch.Size], Callable[[str], torch.Tensor]]:
-    """The shapes of a full checkpoint's tensors, from its safetensors headers, and a loader of one (mmap)."""
-    owner, shapes = {}, {}
+                            ) -> tuple[dict[str, torch.Size], dict[str, torch.dtype], Callable[[str], torch.Tensor]]:
+    """The shapes and dtypes of a full checkpoint's tensors, from its safetensors headers, and a loader of one
+    (mmap)."""
+    owner, shapes, stored = {}, {}, {}
+    dtype_of = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     for file in safetensors_files(checkpoint):
         handle = open_files.enter_context(safe_open(file, "pt"))
         for name in handle.keys():
-            owner[name], shapes[name] = handle, torch.Size(handle.get_slice(name).get_shape())
-    return shapes, lambda name: owner[name].get_tensor(name)
+            header = handle.get_slice(name)
+            owner[name], shapes[name] = handle, torch.Size(header.get_shape())
+            stored[name] = dtype_of[header.get_dtype()]
+    return shapes, stored, lambda name: owner[name].get_tensor(name)
 
 
 def read_chunk_into(tensor: torch.Tensor, offset: torch.Size, info, model_dir: str) -> bool:

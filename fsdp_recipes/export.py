@@ -56,15 +56,23 @@ def tied_parameter_names(model: nn.Module) -> set[str]:
 
 WRITE_CHUNK_ELEMENTS = 1 << 20  # elements cast and written at a time: 4 MB of fp32
 
-# safetensors' names for the dtypes a folder can be written in.
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# safetensors' names for the dtypes a folder's weights can be written in, and for the integer and boolean tensors
+# written as stored (DeepSeek V4's token-to-expert tables).
+WEIGHT_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+SAFETENSORS_DTYPES = {**WEIGHT_DTYPES, torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def weight_dtypes(model: nn.Module, names, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype of each tensor in a folder of `dtype`: fp32 for the weights the model keeps in fp32
-    (sharding.kept_in_fp32), as from_pretrained loads and save_pretrained writes them; `dtype` for the rest."""
+def weight_dtypes(model: nn.Module | None, stored: dict[str, torch.dtype], dtype: torch.dtype
+                  ) -> dict[str, torch.dtype]:
+    """The dtype of each tensor of a folder of `dtype`, from its dtype `stored` in the source: an integer or boolean
+    tensor as stored; fp32 for the weights the model keeps in fp32 (sharding.kept_in_fp32), as from_pretrained loads
+    and save_pretrained writes them; `dtype` for the rest."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"cannot write {dtype} weights: use one of {', '.join(map(str, WEIGHT_DTYPES))}")
     kept = kept_in_fp32(model.module if isinstance(model, FSDP) else model, dtype)
-    return {name: torch.float32 if kept and kept.search(name) else dtype for name in names}
+    return {name: own if not own.is_floating_point else torch.float32 if kept and kept.search(name) else dtype
+            for name, own in stored.items()}
 
 
 def write_hf_weights(
@@ -81,8 +89,8 @@ def write_hf_weights(
     bytes are appended to the open file, cast a slice at a time: only one tensor (and a 4 MB cast slice) is held.
     """
     unwritable = set(dtypes.values()) - SAFETENSORS_DTYPES.keys()
-    if unwritable:
-        raise ValueError(f"cannot write {', '.join(map(str, unwritable))} weights: use one of "
+    if unwritable:  # a source's own dtype (fp8) that weight_dtypes keeps
+        raise ValueError(f"cannot write {', '.join(map(str, unwritable))} tensors: safetensors files here hold "
                          f"{', '.join(map(str, SAFETENSORS_DTYPES))}")
     if sys.byteorder != "little":  # safetensors stores little-endian bytes; the tensors' own bytes are written as is
         raise RuntimeError("writing safetensors files needs a little-endian machine")
@@ -250,11 +258,13 @@ def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]
         os.makedirs(out_dir, exist_ok=True)
         tied = tied_parameter_names(model)
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}
+        stored = {name: state_dict[name].dtype for name in shapes}
         load_tensor = state_dict.pop  # each tensor is freed once written
         if original_layout:
             layout = original_layout_of(model.module if isinstance(model, FSDP) else model, shapes)
             shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-        write_hf_weights(out_dir, shapes, weight_dtypes(model, shapes, dtype), max_shard_size, load_tensor)
+            stored = {name: stored[layout.source[name]] for name in shapes}
+        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype), max_shard_size, load_tensor)
 
 
 class OriginalLayout:

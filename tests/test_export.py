@@ -124,6 +124,32 @@ def test_modules_kept_in_fp32_are_exported_and_converted_in_fp32(tmp_path, one_p
         load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
 
 
+def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
+    # DeepSeek V4's hash routing reads expert ids from a persistent int64 table (tid2eid): written in bf16, 257
+    # would come back as 256.
+    tokenizer = demo.build_tokenizer()
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1))
+    table = torch.arange(1000, dtype=torch.int64).reshape(10, 100) * 3 + 1
+    model.model.layers[0].mlp.register_buffer("tid2eid", table.clone())
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.bfloat16)
+    folders = [tmp_path / "final"]
+    for fmt in ["full", "sharded"]:
+        cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / fmt),
+                            "--save_state_dict_type", fmt])
+        optimizer = build_optimizer(model, cfg)
+        checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
+                                     epoch=0, wandb_run=None)
+        convert(checkpoint, str(tmp_path / f"{fmt}_converted"), torch.bfloat16)
+        folders.append(tmp_path / f"{fmt}_converted")
+    for folder in folders:
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+            assert dtypes.pop("model.layers.0.mlp.tid2eid") == "I64"
+            assert set(dtypes.values()) == {"BF16"}
+            assert torch.equal(f.get_tensor("model.layers.0.mlp.tid2eid"), table)
+
+
 def test_save_dtype_auto_is_the_dtype_config_json_records(tmp_path):
     tokenizer = demo.build_tokenizer()
     config = demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
