@@ -23,6 +23,7 @@ from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
 from fsdp_recipes.trainer import token_loss_sum
 from test_accelerate_configs import process_group_of
+from test_export import REMOTE_CONFIG, REMOTE_MODEL
 from test_launch import launch_node_env
 
 # config.json of meta-llama/Llama-3.1-8B and -70B as published on the Hub.
@@ -277,28 +278,12 @@ def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys)
         f"model: Gemma4ForConditionalGeneration, {total:,} parameters, 2 decoder layers\n")
 
 
-OWN_CONFIG_CODE = """from transformers import LlamaConfig
-
-
-class FooConfig(LlamaConfig):
-    model_type = "foo"
-"""
-OWN_MODEL_CODE = """from transformers import LlamaForCausalLM
-
-from .configuration_foo import FooConfig
-
-
-class FooForCausalLM(LlamaForCausalLM):
-    config_class = FooConfig
-"""
-
-
 def test_a_model_with_its_own_code_is_estimated_with_trust_remote_code(tmp_path, capsys):
     llama = write_config(tmp_path / "llama.json", LlamaConfig(**SMALL).to_dict())
     own_code = tmp_path / "estimate_own_code"  # the folder names the module transformers imports the code as
     own_code.mkdir()
-    (own_code / "configuration_foo.py").write_text(OWN_CONFIG_CODE)
-    (own_code / "modeling_foo.py").write_text(OWN_MODEL_CODE)
+    (own_code / "configuration_foo.py").write_text(REMOTE_CONFIG)
+    (own_code / "modeling_foo.py").write_text(REMOTE_MODEL)
     write_config(own_code / "config.json", {
         **LlamaConfig(**SMALL).to_dict(), "model_type": "foo", "architectures": ["FooForCausalLM"],
         "auto_map": {"AutoConfig": "configuration_foo.FooConfig",
