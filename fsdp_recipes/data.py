@@ -202,7 +202,8 @@ def rotary_context(config) -> Optional[int]:
     # Gemma 3 holds one set per attention type.
     context = config.max_position_embeddings
     for rope in [p for p in params.values() if isinstance(p, dict)] or [params]:
-        if rope.get("factor"):
+        # Llama 3's factor scales frequencies: max_position_embeddings is already its context (Llama 3.2: 131072).
+        if rope.get("factor") and rope.get("rope_type") != "llama3":
             original = rope.get("original_max_position_embeddings") or config.max_position_embeddings
             context = max(context, int(original * rope["factor"]))
     return context

@@ -1166,7 +1166,11 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
                                                               "original_max_position_embeddings": 64}))
     check_model_reads_data(yarn, tokenizer, 256, data)
     assert capsys.readouterr().out == ""
-    for model, length, context in [(llama, 65, 64), (yarn, 257, 256)]:
+    # Llama 3.2's rope: its factor (32) scales frequencies; max_position_embeddings is the context (64, not 8 x 32).
+    llama3 = LlamaForCausalLM(LlamaConfig(**tiny, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}))
+    for model, length, context in [(llama, 65, 64), (yarn, 257, 256), (llama3, 65, 64)]:
         check_model_reads_data(model, tokenizer, length, data)
         assert capsys.readouterr().out == (
             f"warning: max_seq_length {length} is longer than the {context} positions the model was trained for "
