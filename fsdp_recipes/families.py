@@ -7,6 +7,7 @@ import os
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig
+from .new_recipe import recipes_training
 
 
 # The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma): transformers 5.17 runs
@@ -44,29 +45,32 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
             f"vision or audio model). Not supported: train a model that AutoModelForCausalLM loads whole, such as a "
             f"checkpoint of that part alone (model_type {part.config_class.model_type})"
         )
-    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
-                     "soft-capping")
-    if model_types is None:
-        return
-    if config.model_type not in model_types:
+    # The family first: another family's recipe would give the attention advice of its own YAML config.
+    if model_types is not None and config.model_type not in model_types:
         raise ConfigError(
             f"{os.path.basename(recipe)} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a "
             f"{config.model_type} model: {_recipe_advice(config.model_type, recipe)}"
         )
-    _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
+    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
+                     "soft-capping")
+    if model_types is not None:
+        _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:
-    """Where to go for a model type that `recipe` does not train: the recipe named after it, if there is one."""
-    named = os.path.join(os.path.dirname(recipe), f"{model_type.replace('-', '_')}_sft.py")
-    if not os.path.exists(named):
-        return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
-                f"`make new-recipe MODEL={model_type}`")
-    if not os.path.samefile(named, recipe):
-        return f"run {named}"
-    # e.g. Gemma 1 in gemma_sft.py, which trains Gemma 2 and 3: its file name is taken by the family's recipe.
-    return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it, or run the "
-            "generic recipes/sft.py")
+    """Where to go for a model type that `recipe` does not train: the recipe that lists it in its MODEL_TYPES, if
+    any."""
+    recipes_dir = os.path.dirname(recipe) or "."
+    trained_by = recipes_training(model_type, recipes_dir)
+    if trained_by:
+        return f"run {trained_by[0]}, with its YAML config from {os.path.join(recipes_dir, 'configs')}"
+    named = os.path.join(recipes_dir, f"{model_type.replace('-', '_')}_sft.py")
+    if os.path.exists(named):
+        # e.g. Gemma 1 and gemma_sft.py, which trains Gemma 2 and 3: the family's recipe has the file name.
+        return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it, or run the "
+                "generic recipes/sft.py")
+    return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
+            f"`make new-recipe MODEL={model_type}`")
 
 
 def part_that_loads(config) -> type | None:

@@ -14,6 +14,7 @@ Standard library only: it runs before any environment is installed.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 
@@ -79,10 +80,33 @@ def split_recipe(text: str) -> tuple[str, str, str, str]:
     return text[:doc_end], text[doc_end:own_start], text[own_start:own_end], text[own_end:]
 
 
+def recipes_training(model_type: str, recipes_dir: str) -> list[str]:
+    """The recipes in recipes_dir whose MODEL_TYPES lists model_type (gemma_sft.py for gemma3_text)."""
+    found = []
+    for name in sorted(os.listdir(recipes_dir)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(recipes_dir, name)) as f:
+            try:
+                module = ast.parse(f.read())
+            except SyntaxError:  # a file being edited: not a recipe to point to
+                continue
+        for node in module.body:
+            if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets)
+                    and isinstance(node.value, ast.Dict)
+                    and model_type in [getattr(key, "value", None) for key in node.value.keys]):
+                found.append(os.path.join(recipes_dir, name))
+    return found
+
+
 def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     """Write <recipes_dir>/<name>_sft.py and <recipes_dir>/configs/<name>_sft.yaml; return their paths."""
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", model_type):
         raise SystemExit(f"error: MODEL must be a model_type as config.json spells it (e.g. olmo2), got {model_type!r}")
+    trained_by = recipes_training(model_type, recipes_dir) if os.path.isdir(recipes_dir) else []
+    if trained_by:  # a second recipe would lack the family's defaults (Gemma 2's eager attention)
+        raise SystemExit(f"error: {trained_by[0]} already trains {model_type} models: run it, with its YAML config "
+                         f"from {os.path.join(recipes_dir, 'configs')}")
     name = model_type.replace("-", "_")  # a file name Python can import: modernbert-decoder -> modernbert_decoder
     recipe = os.path.join(recipes_dir, f"{name}_sft.py")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")

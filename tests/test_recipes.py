@@ -284,9 +284,11 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
         check_model_type(parse_config([*generic[:3], str(vaultgemma), *generic[4:]]), None, "recipes/sft.py")
     gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
     check_model_type(parse_config([*generic[:3], str(gemma3), *generic[4:]]), None, "recipes/sft.py")
-    with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: .*"
-                                          r"`make new-recipe MODEL=gemma2`"):
-        check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
+    # The recipe that trains it, before the attention check: llama_sft.yaml's sdpa is no reason to use eager here.
+    with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: run "
+                                          r"recipes/gemma_sft.py, with its YAML config from recipes/configs$"):
+        check_model_type(parse_config([*args, "--attn_implementation", "sdpa"]), {"llama": None},
+                         "recipes/llama_sft.py")
     missing = ["--config", "recipes/configs/gemma2_sft.yaml", "--model_name_or_path", str(tmp_path / "none"),
                "--dataset_name", "data.jsonl"]
     with pytest.raises(ConfigError, match=f"model_name_or_path {tmp_path}/none: no such folder"):
@@ -306,8 +308,13 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
         check_model_type(parse_config(args), model_types, str(REPO / "recipes" / recipe))
 
     qwen2 = write_model(tmp_path / "qwen2", FAMILIES["qwen2"][2])
-    with pytest.raises(ConfigError, match=f"but {qwen2} is a qwen2 model: run {REPO}/recipes/qwen2_sft.py$"):
+    with pytest.raises(ConfigError, match=f"but {qwen2} is a qwen2 model: run {REPO}/recipes/qwen2_sft.py, with its "
+                                          f"YAML config from {REPO}/recipes/configs$"):
         check(qwen2, "llama_sft.py", {"llama": None})
+    # Gemma 3's text model: gemma_sft.py lists it, under another name.
+    gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
+    with pytest.raises(ConfigError, match=f"is a gemma3_text model: run {REPO}/recipes/gemma_sft.py, with"):
+        check(gemma3, "llama_sft.py", {"llama": None})
     # Gemma 1: the file named after it is the recipe of Gemma 2 and 3, so `make new-recipe MODEL=gemma` would fail.
     AutoConfig.for_model("gemma", **TINY).save_pretrained(tmp_path / "gemma")
     with pytest.raises(ConfigError, match=f'is a gemma model: add "gemma" to MODEL_TYPES in {REPO}/recipes/gemma_sft.py'):
@@ -369,6 +376,13 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
     assert split_recipe(hyphenated.read_text())[1::2] == shared
     assert ("output_dir: outputs/modernbert_decoder_sft\n" in
             (tmp_path / "recipes" / "configs" / "modernbert_decoder_sft.yaml").read_text())
+    # A model type a recipe already trains under another file name: a second recipe would lack its defaults.
+    shutil.copy(REPO / "recipes" / "gemma_sft.py", tmp_path / "recipes")
+    proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "gemma3_text", "--recipes_dir", tmp_path / "recipes"],
+               expect_rc=1)
+    assert proc.stderr == (f"error: {tmp_path}/recipes/gemma_sft.py already trains gemma3_text models: run it, with "
+                           f"its YAML config from {tmp_path}/recipes/configs\n")
+    assert not (tmp_path / "recipes" / "gemma3_text_sft.py").exists()
     # The README's own command, into the same folder.
     [command] = [c for c in readme_commands() if c.startswith("make new-recipe ")]
     run([*shlex.split(command), f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
