@@ -59,6 +59,11 @@ def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what
                 f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
                 f"having no label tokens, {len(kept)} kept")
     if len(kept) == 0:
+        roles = sorted({m.get("role") for messages in raw["messages"] for m in messages}) if fmt == "chat" else []
+        if cfg.completion_only_loss and roles and "assistant" not in roles:  # ShareGPT's human and gpt, say
+            raise ConfigError(f"{what}: no message has the role assistant (the roles are {', '.join(roles)}), and "
+                              f"the loss is on assistant turns: name the model's turns assistant (and the user's "
+                              f"user), or set completion_only_loss false")
         raise ConfigError(f"{what}: no example is left to train on (see the counts above)")
     return kept
 

@@ -975,6 +975,8 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "cols.jsonl", [{"question": "a", "answer": "b"}])
     demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, {"messages": [{"role": "user", "content": 3}]}])
     demo.write_jsonl(tmp_path / "nolist.jsonl", [{"messages": []}])
+    demo.write_jsonl(tmp_path / "sharegpt.jsonl", [{"messages": [{"role": "human", "content": "q"},
+                                                                 {"role": "gpt", "content": "a"}]}] * 4)
     demo.write_jsonl(tmp_path / "ok.jsonl", ROWS)
     (tmp_path / "header_only.csv").write_text("prompt,completion\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(tmp_path / "dict")
@@ -996,6 +998,9 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 1: message 0 needs a string 'role' and a string"),
         (cfg(tmp_path / "nolist.jsonl"), r"row 0: 'messages' must be a non-empty list"),
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
+        (cfg(tmp_path / "sharegpt.jsonl"), r"sharegpt.jsonl \[train\]: no message has the role assistant \(the roles "
+                                           r"are gpt, human\), and the loss is on assistant turns: name the model's "
+                                           r"turns assistant \(and the user's user\), or set completion_only_loss false"),
         (cfg(tmp_path / "dict", eval_split="validation"), r"has no split 'validation'; its splits are \['train'\]"),
         (cfg(tmp_path / "empty_split", eval_split="test"), r"empty_split/test holds no examples"),
         (cfg(tmp_path / "ok.jsonl", eval_split="test"),
