@@ -107,10 +107,12 @@ def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh | None:
     replicate = plan.dp_replicate_size or world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % replicate:
         raise ConfigError(f"dp_replicate_size {replicate} does not divide the {world} ranks")
-    if plan.fsdp_version == 1 and replicate == world:
+    if plan.fsdp_version == 1 and replicate == world > 1:
         # torch then switches to NO_SHARD within the 1-rank shard group and never all-reduces across replicas.
-        raise ConfigError(f"FSDP1 HYBRID_SHARD with dp_replicate_size {replicate} leaves 1 rank per shard group, "
-                          "which torch does not synchronise: use NO_SHARD, or fewer replicas")
+        replicas = (f"dp_replicate_size {replicate}" if plan.dp_replicate_size else
+                    f"one replica per node ({replicate} nodes of 1 rank; dp_replicate_size unset)")
+        raise ConfigError(f"FSDP1 HYBRID_SHARD with {replicas} leaves 1 rank per shard group, which torch does not "
+                          f"synchronise: use NO_SHARD{', or fewer replicas' if plan.dp_replicate_size else ''}")
     plan.mesh_shape = (replicate, world // replicate)
     return init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=("replicate", "shard"))
 
@@ -146,7 +148,9 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     else:
         # FSDP2 shards the checkpoint wrapper, so that its hooks run outside the checkpoint; FSDP1 wraps the layer.
         unit_class = CheckpointWrapper if plan.activation_checkpointing and plan.fsdp_version == 2 else layer_classes
-        units = [m for m in model.modules() if isinstance(m, unit_class)]
+        # Children before parents: FSDP2 shards a unit inside another (LlamaMLP in LlamaDecoderLayer) first, so the
+        # outer one takes only the rest, as accelerate's bottom-up order does.
+        units = [m for m in reversed(list(model.modules())) if isinstance(m, unit_class)]
         plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
     check_tied_parameters_share_a_unit(model, units)
     if plan.fsdp_version == 1:

@@ -32,6 +32,11 @@ PARITY = {  # fp32: per-step losses must equal the unsharded reference within 1e
     "fsdp2_offload": {"fsdp_offload_params": "true"},
     "fsdp1_size_wrap": {"fsdp_version": 1, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 20000},
     "fsdp2_size_wrap": {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 20000},
+    # A unit inside another: FSDP2 shards the MLP first, then the rest of its layer.
+    "fsdp1_nested_units": {"fsdp_version": 1, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer,LlamaMLP"},
+    "fsdp2_nested_units": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer,LlamaMLP"},
+    "fsdp2_nested_units_ac": {"fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer,LlamaMLP",
+                              "fsdp_activation_checkpointing": "true"},
     "fsdp1_rank0_load": {"fsdp_version": 1, "fsdp_cpu_ram_efficient_loading": "true"},
     "fsdp2_rank0_load": {"fsdp_cpu_ram_efficient_loading": "true"},
     # NO_SHARD keeps each parameter whole: the broadcast copies into the original shapes, not 1-D shard slices.
@@ -220,6 +225,7 @@ def test_printed_plan_describes_the_engine(runs):
     assert "strategy: HSDP (replicate x shard) mesh 2 x 1, reshard_after_forward=True" in plans["fsdp2_hsdp"]
     for engine in ("fsdp1", "fsdp2"):  # the same units
         assert "wrapped: 3 x size-based (20,000 parameters or more), then the root" in plans[f"{engine}_size_wrap"]
+        assert "wrapped: 4 x LlamaDecoderLayer, LlamaMLP, then the root" in plans[f"{engine}_nested_units"]
     assert "loading: rank 0 reads the weights, broadcast while sharding" in plans["fsdp2_rank0_load"]
     assert "parameters: 80,192 total, 40,096 on rank 0" in plans["fsdp2_reshard"]
     assert "gradient sync: every micro-batch" in plans["fsdp2_reshard"]
