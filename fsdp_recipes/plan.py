@@ -175,9 +175,12 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                               f"sharding strategy: with fsdp_version 2 set it to true (FULL_SHARD) or false "
                               f"(SHARD_GRAD_OP)")
         if cfg.fsdp_sharding_strategy is not None or env_strategy not in (None, "FULL_SHARD"):
-            raise ConfigError("fsdp_sharding_strategy is an FSDP1 setting: with fsdp_version 2 set "
-                              "fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP), and "
-                              "dp_replicate_size (accelerate: parallelism_config_dp_replicate_size) for HSDP")
+            where = ("the recipe config sets" if cfg.fsdp_sharding_strategy is not None else
+                     f"the accelerate config sets fsdp_sharding_strategy {env_strategy}, and")
+            raise ConfigError(f"fsdp_sharding_strategy is an FSDP1 setting ({where} fsdp_version is 2): with "
+                              "fsdp_version 2 set fsdp_reshard_after_forward (true: FULL_SHARD, false: "
+                              "SHARD_GRAD_OP), and dp_replicate_size (accelerate: "
+                              "parallelism_config_dp_replicate_size) for HSDP")
         reshard = pick("fsdp_reshard_after_forward", cfg.fsdp_reshard_after_forward, env_reshard, True)
         strategy = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
 
@@ -188,7 +191,9 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         # A recipe dp_replicate_size replaces accelerate's: accelerate's dp_shard_size then no longer applies.
         _check_parallelism_config(None if cfg.dp_replicate_size is not None else replicate)
     if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
-        raise ConfigError(f"dp_replicate_size {replicate} needs fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1")
+        where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
+        raise ConfigError(f"dp_replicate_size {replicate}{where} needs fsdp_sharding_strategy HYBRID_SHARD with "
+                          f"fsdp_version 1")
 
     env_wrap = env(_env_name, "FSDP_AUTO_WRAP_POLICY")
     env_layers = env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP")
@@ -226,8 +231,14 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         raise ConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
     prefetch = env(_env_name, "FSDP_BACKWARD_PREFETCH")
+    if prefetch and version == 2 and env(_env_int, "FSDP_VERSION") == 1:
+        # An FSDP1 accelerate config (each shipped one sets it) under the recipe config's fsdp_version 2.
+        overrides.append(f"fsdp_backward_prefetch: accelerate config {prefetch!r} is an FSDP1 setting, not applied "
+                         f"with fsdp_version 2 (FSDP2 always prefetches)")
+        prefetch = None
     if prefetch and version == 2:
-        raise ConfigError("fsdp_backward_prefetch is an FSDP1 setting (FSDP2 always prefetches): remove it")
+        raise ConfigError("the accelerate config sets fsdp_backward_prefetch, an FSDP1 setting (FSDP2 always "
+                          "prefetches): remove it")
     if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
         raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
 

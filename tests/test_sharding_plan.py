@@ -7,8 +7,8 @@ import torch
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import (check_master_dtype, check_tied_parameters_share_a_unit, describe_plan,
-                                   find_layer_classes, shard_model)
+from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
+                                   describe_plan, find_layer_classes, shard_model)
 from test_accelerate_configs import process_group_of
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
@@ -49,6 +49,23 @@ def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_
     assert (plan.fsdp_version, plan.sharding_strategy, plan.mixed_precision) == (1, "FULL_SHARD", "no")
     assert plan.overrides == ["fsdp_version: recipe config 1 overrides accelerate config 2",
                               "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'"]
+
+
+def test_recipe_fsdp_version_2_over_an_fsdp1_accelerate_config(accelerate_env):
+    # Every shipped FSDP1 config sets fsdp_backward_prefetch: FSDP2 has no such setting, and the plan says so.
+    accelerate_env.setenv("FSDP_VERSION", "1")
+    accelerate_env.setenv("FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE")
+    plan = plan_for("--fsdp_version", "2")
+    assert (plan.fsdp_version, plan.backward_prefetch) == (2, None)
+    assert plan.overrides == ["fsdp_version: recipe config 2 overrides accelerate config 1",
+                              "fsdp_backward_prefetch: accelerate config 'BACKWARD_PRE' is an FSDP1 setting, not "
+                              "applied with fsdp_version 2 (FSDP2 always prefetches)"]
+    # Its strategy has no FSDP2 meaning the recipe could infer: refused, saying where it comes from.
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    with pytest.raises(ConfigError, match=r"^fsdp_sharding_strategy is an FSDP1 setting \(the accelerate config sets "
+                                          r"fsdp_sharding_strategy SHARD_GRAD_OP, and fsdp_version is 2\): with "
+                                          r"fsdp_version 2 set fsdp_reshard_after_forward"):
+        plan_for("--fsdp_version", "2")
 
 
 def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
@@ -110,8 +127,12 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
     ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
     ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
-    ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [], "fsdp_backward_prefetch is an FSDP1 setting"),
-    ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "needs fsdp_sharding_strategy HYBRID_SHARD"),
+    ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [],
+     "the accelerate config sets fsdp_backward_prefetch, an FSDP1 setting"),
+    ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "^dp_replicate_size 2 needs fsdp_sharding_strategy "
+                                                              "HYBRID_SHARD"),
+    (HSDP_2X8, ["--fsdp_version", "1"], r"^dp_replicate_size 2 \(the accelerate config's parallelism_config\) needs "
+                                        r"fsdp_sharding_strategy HYBRID_SHARD with fsdp_version 1"),
     ({"FSDP_VERSION": "1", "FSDP_BACKWARD_PREFETCH": "EARLY"}, [], "must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH"),
     ({**HSDP_2X8, "WORLD_SIZE": "2"}, [],
      r"parallelism_config_dp_replicate_size 2 x parallelism_config_dp_shard_size 8 is 16, but 2 processes were "
@@ -199,3 +220,22 @@ def test_fsdp1_offload_on_cpu_is_a_clear_error(monkeypatch):
     plan = plan_for("--fsdp_version", "1", "--fsdp_offload_params", "true")
     with pytest.raises(ConfigError, match="FSDP1 CPU offload .* needs a GPU.* use fsdp_version 2"):
         fsdp1.shard(tiny_model(), (), plan, None, torch.device("cpu"))
+
+
+def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_process(monkeypatch):
+    # 1 rank per node: each shard group is 1 rank, which torch runs as NO_SHARD with no all-reduce across replicas.
+    for key in ACCELERATE_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    hybrid = ["--fsdp_version", "1", "--fsdp_sharding_strategy", "HYBRID_SHARD"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for extra, replicas, advice in [([], "one replica per node (2 nodes of 1 rank; dp_replicate_size unset)", ""),
+                                    (["--dp_replicate_size", "2"], "dp_replicate_size 2", ", or fewer replicas")]:
+        with process_group_of(2), pytest.raises(ConfigError) as error:
+            build_mesh(plan_for(*hybrid, *extra), torch.device("cpu"))
+        assert str(error.value) == (f"FSDP1 HYBRID_SHARD with {replicas} leaves 1 rank per shard group, which torch "
+                                    f"does not synchronise: use NO_SHARD{advice}")
+    # One process (python recipes/...py): nothing to synchronise.
+    with process_group_of(1):
+        plan = plan_for(*hybrid)
+        build_mesh(plan, torch.device("cpu"))
+    assert plan.mesh_shape == (1, 1)
