@@ -87,13 +87,14 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
             stored.pop("lm_head.weight", None)
         # The original (Hub) layout and the weights kept in fp32, as final/ is written; a model with its own code
         # (auto_map) is not built here: its floating-point weights are all written in `dtype`, as they are.
-        model = None
+        model = model_names = None
         if "auto_map" not in config:
             model = build_meta_model(AutoConfig.from_pretrained(checkpoint))
             layout = original_layout_of(model, shapes)
-            shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-            stored = {name: stored[layout.source[name]] for name in shapes}
-        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype), max_shard_size, load_tensor)
+            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor), layout.source
+            stored = {name: stored[model_names[name]] for name in shapes}
+        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype, model_names), max_shard_size,
+                         load_tensor)
     # The model files as saved with the checkpoint (tokenizer, named chat templates in additional_chat_templates/,
     # processor files, generation config, the model's own code); config.json records the output dtype.
     for name in os.listdir(checkpoint):

@@ -63,15 +63,18 @@ SAFETENSORS_DTYPES = {**WEIGHT_DTYPES, torch.int64: "I64", torch.int32: "I32", t
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def weight_dtypes(model: nn.Module | None, stored: dict[str, torch.dtype], dtype: torch.dtype
-                  ) -> dict[str, torch.dtype]:
+def weight_dtypes(model: nn.Module | None, stored: dict[str, torch.dtype], dtype: torch.dtype,
+                  model_names: dict[str, str] | None = None) -> dict[str, torch.dtype]:
     """The dtype of each tensor of a folder of `dtype`, from its dtype `stored` in the source: an integer or boolean
     tensor as stored; fp32 for the weights the model keeps in fp32 (sharding.kept_in_fp32), as from_pretrained loads
-    and save_pretrained writes them; `dtype` for the rest."""
+    and save_pretrained writes them; `dtype` for the rest. `model_names` maps a name of the original layout to the
+    model's own, which transformers matches the fp32 patterns against (DeepSeek V4's hc_attn_fn is attn_hc.fn)."""
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"cannot write {dtype} weights: use one of {', '.join(map(str, WEIGHT_DTYPES))}")
     kept = kept_in_fp32(model.module if isinstance(model, FSDP) else model, dtype)
-    return {name: own if not own.is_floating_point else torch.float32 if kept and kept.search(name) else dtype
+    model_names = model_names or {}
+    return {name: own if not own.is_floating_point
+            else torch.float32 if kept and kept.search(model_names.get(name, name)) else dtype
             for name, own in stored.items()}
 
 
@@ -259,12 +262,13 @@ def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]
         tied = tied_parameter_names(model)
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}
         stored = {name: state_dict[name].dtype for name in shapes}
-        load_tensor = state_dict.pop  # each tensor is freed once written
+        load_tensor, model_names = state_dict.pop, None  # each tensor is freed once written
         if original_layout:
             layout = original_layout_of(model.module if isinstance(model, FSDP) else model, shapes)
-            shapes, load_tensor = layout.shapes, layout.loader(load_tensor)
-            stored = {name: stored[layout.source[name]] for name in shapes}
-        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype), max_shard_size, load_tensor)
+            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor), layout.source
+            stored = {name: stored[model_names[name]] for name in shapes}
+        write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype, model_names), max_shard_size,
+                         load_tensor)
 
 
 class OriginalLayout:

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from .config import ConfigError, TrainConfig
 from .distributed import run_on_rank0
 from .plan import ShardingPlan
-from .sharding import MASTER_DTYPE, buffers_beside_parameters, shard_model, state_dict_name
+from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -105,6 +105,12 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     if model.can_generate():
         model.generation_config = checkpoint_generation_config(cfg.model_name_or_path)
     model.tie_weights()  # init_empty_weights gives lm_head a parameter of its own
+    # In fp32 where from_pretrained keeps them (DeepSeek V3's router bias): transformers 5.17's from_config leaves
+    # them in `dtype`, and the fp32 values rank 0 reads would be rounded into them.
+    kept = kept_in_fp32(model, dtype)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if kept and kept.search(name) and tensor.is_floating_point():
+            tensor.data = tensor.data.float()
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     loaded = {}
 

@@ -76,52 +76,81 @@ def test_rank0_loading_exports_the_hub_layout(tmp_path, fsdp_version, one_proces
     assert all(torch.equal(final.get_tensor(k), source.get_tensor(k)) for k in source.keys())
 
 
-def test_modules_kept_in_fp32_are_exported_and_converted_in_fp32(tmp_path, one_process_group):
-    # GLM-4.5 (as DeepSeek V3) keeps its router's e_score_correction_bias (and, from transformers 5.2x, gate.weight)
-    # in fp32 in a bf16 model, as from_pretrained loads and save_pretrained writes them: bf16 would round the
-    # expert choice's scores.
+KEEPS_FP32 = {  # models whose classes keep some weights in fp32 (_keep_in_fp32_modules_strict) in bf16
+    # The router's e_score_correction_bias (and gate.weight, in transformers 5.24), named as on the Hub.
+    "glm4_moe": dict(intermediate_size=64, moe_intermediate_size=16, first_k_dense_replace=1, num_key_value_heads=1,
+                     head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1),
+    # As GLM-4.5; transformers 5.17's from_config leaves the bias in bf16 (rank-0 loading builds the model so).
+    "deepseek_v3": dict(intermediate_size=64, moe_intermediate_size=16, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+                        num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1),
+    # Hyper-connections and attention sinks, which transformers renames on load (hc_attn_fn is attn_hc.fn).
+    "deepseek_v4": dict(moe_intermediate_size=16, head_dim=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, o_groups=1, o_lora_rank=16, index_n_heads=2,
+                        index_head_dim=16, index_topk=4, num_nextn_predict_layers=0, hc_mult=2),
+}
+
+
+def safetensors_dtypes(folder) -> dict[str, str]:
+    dtypes = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
+    return dtypes
+
+
+@pytest.mark.parametrize("model_type", KEEPS_FP32)
+def test_weights_kept_in_fp32_are_exported_and_converted_as_save_pretrained_writes_them(tmp_path, model_type,
+                                                                                        one_process_group):
+    # bf16 would round what the model keeps in fp32 (the expert choice's scores, for a router).
     tokenizer = demo.build_tokenizer()
-    config = AutoConfig.for_model("glm4_moe", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                  moe_intermediate_size=16, num_hidden_layers=2, first_k_dense_replace=1,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, n_routed_experts=4,
-                                  num_experts_per_tok=2, n_group=1, topk_group=1)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, **KEEPS_FP32[model_type])
     torch.manual_seed(0)
     source = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # a bias of 1 + 2^-12: bf16 holds 1
-        source.model.layers[1].mlp.gate.e_score_correction_bias.fill_(1 + 2 ** -12)
+    with torch.no_grad():  # 1 + 2^-12 and more: bf16 rounds every value, zero-initialised ones included
+        for tensor in source.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(1 + 2 ** -12)
     source.save_pretrained(tmp_path / "source")
     tokenizer.save_pretrained(tmp_path / "source")
-    # The reference: what transformers keeps in fp32 when it loads the model in bf16.
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "source", dtype=torch.bfloat16).state_dict()
-    kept = {name for name, tensor in loaded.items() if tensor.dtype == torch.float32}
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in kept
-    cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--output_dir",
-                        str(tmp_path / "run"), "--mixed_precision", "no", "--save_state_dict_type", "sharded"])
+    # The reference: transformers' own bf16 load, saved.
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "source", dtype=torch.bfloat16)
+    reference.save_pretrained(tmp_path / "reference")
+    expected = safetensors_dtypes(tmp_path / "reference")
+    kept = {name for name, dtype in expected.items() if dtype == "F32"}
+    assert kept and {"F32", "BF16"} <= set(expected.values())  # and DeepSeek V4's int64 tid2eid
+    args = ["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--attn_implementation", "eager"]
+    cfg = parse_config([*args, "--output_dir", str(tmp_path / "run"), "--mixed_precision", "no",
+                        "--save_state_dict_type", "sharded"])
     model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
     save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.bfloat16)
     optimizer = build_optimizer(model, cfg)
     checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
                                  epoch=0, wandb_run=None)
     convert(checkpoint, str(tmp_path / "converted"), torch.bfloat16)
-    expected = source.state_dict()
+    with safe_open(str(tmp_path / "source" / "model.safetensors"), "pt") as f:
+        fp32 = {name: f.get_tensor(name) for name in kept}
     for folder in ["final", "converted"]:
+        assert safetensors_dtypes(tmp_path / folder) == expected
         with safe_open(str(tmp_path / folder / "model.safetensors"), "pt") as f:
-            assert {k for k in f.keys() if f.get_slice(k).get_dtype() == "F32"} == kept
-            assert all(torch.equal(f.get_tensor(k), expected[k]) for k in kept)
-        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.bfloat16).state_dict()
-        assert all(reloaded[k].dtype == torch.float32 and torch.equal(reloaded[k], expected[k]) for k in kept)
-        assert reloaded["model.embed_tokens.weight"].dtype == torch.bfloat16
-    # Pure bf16 holds every weight in bf16: it cannot train a weight kept in fp32 (a buffer is not trained).
-    pure = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--mixed_precision",
-                         "pure_bf16"])
-    if "model.layers.1.mlp.gate.weight" in kept:
-        with pytest.raises(ConfigError, match=r"^model.layers.1.mlp.gate.weight is kept in fp32 by glm4_moe models "
-                                              r"\(transformers' _keep_in_fp32_modules_strict\), and mixed_precision "
-                                              r"pure_bf16 holds every weight in torch.bfloat16: use mixed_precision "
-                                              r"bf16"):
-            load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
-    else:
-        load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
+            assert all(torch.equal(f.get_tensor(name), fp32[name]) for name in kept)
+    # Pure bf16 holds every weight in bf16: it cannot train a parameter kept in fp32. A buffer kept in fp32 (the
+    # router bias, in transformers 5.17) stays fp32 on either loading path.
+    kept_params = [name for name, p in reference.named_parameters() if p.dtype == torch.float32]
+    kept_buffers = {name: b for name, b in reference.named_buffers() if b.dtype == torch.float32}
+    for rank0_loading in ["false", "true"]:
+        pure = parse_config([*args, "--mixed_precision", "pure_bf16", "--fsdp_cpu_ram_efficient_loading",
+                             rank0_loading])
+        if kept_params:
+            with pytest.raises(ConfigError, match=rf"^{kept_params[0]} is kept in fp32 by {model_type} models "
+                                                  r"\(transformers' _keep_in_fp32_modules_strict\), and "
+                                                  r"mixed_precision pure_bf16 holds every weight in torch.bfloat16: "
+                                                  r"use mixed_precision bf16"):
+                load_sharded_model(pure, resolve_plan(pure), torch.device("cpu"))
+            continue
+        buffers = dict(load_sharded_model(pure, resolve_plan(pure), torch.device("cpu")).named_buffers())
+        assert all(torch.equal(buffers[name], value) for name, value in kept_buffers.items())
 
 
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
