@@ -100,11 +100,16 @@ def layer_types(config) -> list[str]:
 
 def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Forward and backward FLOPs per token (PaLM, appendix B): 6 per active matmul parameter, plus attention's
-    12 * heads * head_dim * (the keys attended to), summed over the layers, each with its own head_dim.
-    Activation-checkpointing recomputation is not counted (MFU, not HFU)."""
+    6 * heads * (query-key width + value width) * (the keys attended to), summed over the layers, each with its own
+    widths (12 * heads * head_dim * keys where both are head_dim). Activation-checkpointing recomputation is not
+    counted (MFU, not HFU)."""
     config = model.config.get_text_config()  # a multimodal model's (Gemma 3 and 4): its language model's
     attention = 0
     for layer, keys in zip(layer_configs(config), attended_lengths(config, seq_len)):
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
-        attention += 12 * layer.num_attention_heads * head_dim * keys
+        # Multi-head latent attention (DeepSeek V2/V3, MiniCPM3): head_dim is only the rotary part of a query-key
+        # head; QK^T runs over qk_head_dim (rotary + non-rotary), AV over v_head_dim.
+        qk_width = getattr(layer, "qk_head_dim", None) or head_dim
+        v_width = getattr(layer, "v_head_dim", None) or head_dim
+        attention += 6 * layer.num_attention_heads * (qk_width + v_width) * keys
     return 6 * active_matmul_params(model) + attention

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
+from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
                           Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
                           Qwen3NextConfig)
@@ -95,6 +95,19 @@ def test_linear_attention_layers_add_no_attention_term():
     model = build_meta_model(config)
     assert attended_lengths(config, 512) == [0, 0, 0, 512]
     assert training_flops_per_token(model, 512) == 6 * active_matmul_params(model) + 12 * 4 * 16 * 512
+
+
+def test_latent_attention_counts_query_key_and_value_widths():
+    # DeepSeek V3's multi-head latent attention: config.head_dim is the rotary part of a query-key head only (8);
+    # QK^T runs over qk_nope_head_dim + qk_rope_head_dim = 24, AV over v_head_dim = 12, in each of 2 layers.
+    config = DeepseekV3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1)
+    model = build_meta_model(config)
+    assert config.head_dim == 8
+    attention = 2 * 2 * 4 * (24 * 512 + 12 * 512) * 3  # layers x 2 FLOPs x heads x (QK^T + AV) x forward+backward
+    assert training_flops_per_token(model, 512) == 6 * active_matmul_params(model) + attention
 
 
 def test_peak_flops_unknown_on_cpu():
