@@ -586,19 +586,20 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
                      "config": cfg.to_dict(), "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)
-            # The files rank 0 wrote into the folder: the state, the model files, the full format's weights (DCP
-            # syncs its own files).
-            for name in os.listdir(tmp):
-                if os.path.isfile(os.path.join(tmp, name)):
-                    fsync(os.path.join(tmp, name))
+            # The files rank 0 wrote: the state, the model and tokenizer files (named chat templates in a folder of
+            # their own), the full format's weights. DCP syncs its own files, and each rank its RNG file.
+            for folder, subfolders, files in os.walk(tmp):
+                if folder == tmp:
+                    subfolders[:] = [name for name in subfolders if name not in ("rng", "model", "optimizer")]
+                for name in files:
+                    fsync(os.path.join(folder, name))
 
     def finish():
         # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
         # after a save could otherwise leave `latest` naming a folder of empty files.
         if rank == 0:
-            for folder in [os.path.join(tmp, name) for name in ("rng", "model", "optimizer")] + [tmp]:
-                if os.path.isdir(folder):  # model/ is the sharded format's
-                    fsync(folder)  # its entries: the names of the files in it
+            for folder, _, _ in os.walk(tmp, topdown=False):
+                fsync(folder)  # its entries: the names of the files in it
             replace_dir(tmp, final)
             fsync(cfg.output_dir)  # the rename
             latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")

@@ -233,15 +233,18 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    tokenizer = load_tokenizer(cfg)  # with a named chat template: the tokenizer writes it into a folder of its own
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": "{{ tools }}"}
     events = []
     fsync, replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
                                                          replace(src, dst)))
-    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, 2, 0, None)
     monkeypatch.undo()
     tmp, final = tmp_path / "checkpoint-2.tmp", tmp_path / "checkpoint-2"
+    assert (final / "additional_chat_templates" / "tool_use.jinja").is_file()
     renamed = events.index(("replace", str(tmp), str(final)))
     latest = events.index(("replace", f"{tmp_path}/latest.tmp", f"{tmp_path}/latest"))
     synced_before = {path for _, path in events[:renamed]}
@@ -258,7 +261,7 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
                                                  fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
                                                          replace(src, dst)))
-    save_hf_model(model, load_tokenizer(cfg), str(tmp_path / "final"), torch.float32)
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
     monkeypatch.undo()
     renamed = events.index(("replace", f"{tmp_path}/final.tmp", f"{tmp_path}/final"))
     synced_before = {path.replace(f"{tmp_path}/final.tmp", f"{tmp_path}/final") for _, path in events[:renamed]}
