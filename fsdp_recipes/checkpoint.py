@@ -314,12 +314,10 @@ def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")
     """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable.
     Checks the model, config.json and `parts` (the converter reads neither the optimizer state nor the RNG states)."""
     check_checkpoint_folder(path)
-    state_file = os.path.join(path, STATE_NAME)
-    try:
-        with open(state_file) as f:
-            state = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{state_file} is corrupt or truncated: {error}") from None
+    # The trainer state, config.json, the weight index and the tokenizer's files: json's own error names no file.
+    json_files = {name: _read_json(os.path.join(path, name)) for name in sorted(os.listdir(path))
+                  if name.endswith(".json")}
+    state = json_files[STATE_NAME]
     if state.get("format") == "sharded":
         read_dcp_metadata(os.path.join(path, "model"))
     else:
@@ -344,11 +342,18 @@ def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")
     return state
 
 
+def _read_json(file: str):
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
+
+
 def safetensors_files(path: str) -> list[str]:
     index = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
+        names = sorted(set(_read_json(index)["weight_map"].values()))
     else:
         names = ["model.safetensors"]
     missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]

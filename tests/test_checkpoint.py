@@ -450,6 +450,10 @@ def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
     shutil.copytree(reference / "checkpoint-6", tmp_path / "no_config")
     os.remove(tmp_path / "no_config" / "config.json")
     cases["no_config"] = r"no_config is incomplete: config.json is missing"
+    for name in ("trainer_state.json", "config.json", "tokenizer.json"):  # json's own error names no file
+        shutil.copytree(reference / "checkpoint-6", tmp_path / f"cut_{name}")
+        os.truncate(tmp_path / f"cut_{name}" / name, (tmp_path / f"cut_{name}" / name).stat().st_size // 2)
+        cases[f"cut_{name}"] = rf"cut_{name}/{name} is corrupt or truncated: "
     (tmp_path / "not_a_checkpoint").mkdir()
     cases["not_a_checkpoint"] = r"not_a_checkpoint is not a checkpoint: it has no trainer_state.json"
     before = snapshot(tmp_path)
