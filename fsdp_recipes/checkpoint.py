@@ -61,6 +61,9 @@ from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 STATE_NAME = "trainer_state.json"
 LATEST_NAME = "latest"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# What a save writes: the checkpoint, and while it is written or replaced its .tmp and .old folders. Only these are
+# removed (retention, overwrite_output_dir): a user's own checkpoint-best/ stays.
+_SAVE_RE = re.compile(r"^checkpoint-\d+(\.tmp|\.old)?$")
 # Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
 # config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
 _RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
@@ -77,7 +80,7 @@ _RESUME_KEYS = (
     "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
     "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "output_router_logits", "router_aux_loss_coef",
 )
-# What a run writes into output_dir; --overwrite_output_dir removes these (and checkpoint-* folders) first.
+# What a run writes into output_dir; --overwrite_output_dir removes these (and the folders _SAVE_RE matches).
 _RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "samples.jsonl")
 
 
@@ -207,8 +210,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     """Every rank calls this before loading anything. It checks that every rank sees the same output_dir (see
     check_shared_output_dir). A fresh run (or a resume from a checkpoint elsewhere) into an output_dir that holds
     an earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with
-    them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, rank 0 removes
-    them. A resume logging to W&B must log to the project of the checkpoint's W&B run (check_wandb_project)."""
+    them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, it checks that
+    the run reads nothing from them, and remove_earlier_run removes them once the data and the schedule are known to
+    work. A resume logging to W&B must log to the project of the checkpoint's W&B run (check_wandb_project)."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
     if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
@@ -221,20 +225,7 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                           f"{resume} resumes from one of them: pass only one of the two")
     check_wandb_project(cfg)  # before anything is removed
     if cfg.overwrite_output_dir:
-        # Not written by a run (e.g. a wandb folder): left alone.
-        earlier = [os.path.join(out, name) for name in (os.listdir(out) if os.path.isdir(out) else [])
-                   if name in _RUN_OUTPUTS or name.startswith("checkpoint-")]
-        check_inputs_outside(cfg, earlier)
-
-        def remove_earlier_run():
-            for path in earlier:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path)
-                else:
-                    os.remove(path)
-
-        # No rank goes on while rank 0 is removing (several 70B checkpoints can take long on a network file system).
-        run_on_rank0(remove_earlier_run, f"to remove the earlier run in {out}")
+        check_inputs_outside(cfg, earlier_run_outputs(out))
         return
     previous = previous_run(out)
     if not previous or (inside and resume != "auto") or (resume == "auto" and LATEST_NAME in previous):
@@ -254,6 +245,29 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
                   f"another of them to continue, " if steps else "")
     raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
                       f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
+
+
+def earlier_run_outputs(output_dir: str) -> list[str]:
+    """The paths of what a run writes in `output_dir` (_RUN_OUTPUTS, _SAVE_RE); not others, such as a wandb folder."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    return [os.path.join(output_dir, name) for name in sorted(names) if name in _RUN_OUTPUTS or _SAVE_RE.match(name)]
+
+
+def remove_earlier_run(cfg: TrainConfig) -> None:
+    """With overwrite_output_dir, rank 0 removes the earlier run's outputs (prepare_output_dir has checked that this
+    run reads nothing from them); every rank calls this, and none goes on while rank 0 removes (several 70B
+    checkpoints can take long on a network file system)."""
+    if not cfg.overwrite_output_dir:
+        return
+
+    def remove():
+        for path in earlier_run_outputs(cfg.output_dir):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+    run_on_rank0(remove, f"to remove the earlier run in {cfg.output_dir}")
 
 
 def check_wandb_project(cfg: TrainConfig) -> None:
@@ -672,7 +686,7 @@ def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
     The new checkpoint is complete by now: a folder that cannot be removed (on a network file system, while a file
     in it is still open elsewhere) is a warning, not a failed save. Each save tries again."""
     for name in os.listdir(cfg.output_dir):
-        if name.startswith("checkpoint-") and name.endswith((".tmp", ".old")):
+        if _SAVE_RE.match(name) and not _CHECKPOINT_RE.match(name):
             shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
     if cfg.save_total_limit:
         others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]

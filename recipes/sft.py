@@ -15,7 +15,7 @@ import os
 
 from transformers import set_seed
 
-from fsdp_recipes.checkpoint import prepare_output_dir, resolve_resume
+from fsdp_recipes.checkpoint import prepare_output_dir, remove_earlier_run, resolve_resume
 from fsdp_recipes.cli import run_main
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
@@ -45,7 +45,7 @@ def main():
     check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)
     with distributed() as env:
-        prepare_output_dir(cfg)  # an earlier run's checkpoints in output_dir: refused, or removed with overwrite
+        prepare_output_dir(cfg)  # an earlier run's checkpoints in output_dir: refused, unless overwrite_output_dir
         set_seed(cfg.seed)
         configure_progress_bars(env.is_main)
 
@@ -53,6 +53,7 @@ def main():
         tokenizer = load_tokenizer(cfg)
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
         check_run_length(cfg, train_dataset, env.world_size)  # a schedule that cannot work fails before the model loads
+        remove_earlier_run(cfg)  # with overwrite_output_dir: only now, so that a run failing on its data keeps it
 
         # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
         model = load_sharded_model(cfg, plan, env.device)

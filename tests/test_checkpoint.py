@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
-                                     model_config_differences, prepare_output_dir, resolve_resume,
+                                     model_config_differences, prepare_output_dir, remove_earlier_run, resolve_resume,
                                      resolve_state_dict_type, save_checkpoint, training_data_identity,
                                      validate_checkpoint)
 from fsdp_recipes.config import ConfigError, parse_config
@@ -690,8 +690,9 @@ def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_g
     out.mkdir()
     # final/ a symlink to the model: removing final/ removes the link alone, and the model is read at its own path.
     (out / "final").symlink_to(model)
-    prepare_output_dir(dataclasses.replace(config(out, "--overwrite_output_dir", "true"),
-                                           model_name_or_path=str(model)))
+    cfg = dataclasses.replace(config(out, "--overwrite_output_dir", "true"), model_name_or_path=str(model))
+    prepare_output_dir(cfg)
+    remove_earlier_run(cfg)
     assert os.listdir(out) == [] and os.listdir(model) == ["weights"]
     # The model reached through a symlink inside final/: gone with final/, though its target stays.
     (out / "final").mkdir()
@@ -915,26 +916,34 @@ def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_d
 @pytest.fixture(scope="module")
 def dropout_run(tiny, reference, tmp_path_factory):
     """4 steps of one process with attention dropout, started with --overwrite_output_dir over a copy of the
-    reference run's folder (and leftovers of its killed saves and sample generation)."""
+    reference run's folder (and leftovers of its killed saves and sample generation, and a user's own files). A
+    first try, whose warm-up covers the whole run, fails once the data are read, and leaves the folder as it was."""
     root = tmp_path_factory.mktemp("dropout")
     model = write_tiny_model(root / "model", dtype=torch.float32, tie_word_embeddings=True, hidden_size=64,
                              intermediate_size=128, num_hidden_layers=2, attention_dropout=0.5)
     shutil.copytree(reference, root / "out")
-    for name in ["checkpoint-8.tmp", "final.old"]:
+    for name in ["checkpoint-8.tmp", "final.old", "checkpoint-best"]:
         (root / "out" / name).mkdir()
     (root / "out" / "samples.jsonl").write_text("{}\n")
+    (root / "out" / "checkpoint-notes.txt").write_text("the best so far: checkpoint-best\n")
     args = [*recipe_args(tiny, root / "out", "--model_name_or_path", model, "--max_steps", "4"),
             "--overwrite_output_dir", "true"]
+    before = snapshot(root / "out")
+    failed = run([sys.executable, RECIPE, *args, "--warmup_steps", "4"], expect_rc=2)
+    kept = snapshot(root / "out") == before
     run([sys.executable, RECIPE, *args])
-    return {"root": root, "out": root / "out", "args": args}
+    return {"root": root, "out": root / "out", "args": args, "failed": failed, "kept": kept}
 
 
 def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
     out = dropout_run["out"]
-    # The reference's checkpoint-6, its final/, samples and the .tmp/.old leftovers are gone; its wandb folder (not
-    # written by the run itself) stays.
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "final", "latest",
-                                                     "metrics.jsonl", "wandb"]
+    # A run that fails on its data or schedule removes nothing.
+    assert "warmup_steps 4 covers the whole run" in dropout_run["failed"].stderr and dropout_run["kept"]
+    # The reference's checkpoint-6, its final/, samples and the .tmp/.old leftovers are gone; its wandb folder and
+    # the user's checkpoint-best/ and notes (not written by a run) stay.
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-best",
+                                                     "checkpoint-notes.txt", "final", "latest", "metrics.jsonl",
+                                                     "wandb"]
     assert (out / "latest").read_text() == "checkpoint-4"
     assert sorted(losses(out)) == [1, 2, 3, 4]
     assert validate_checkpoint(str(out / "checkpoint-4"))["world_size"] == 1
