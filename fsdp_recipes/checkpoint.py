@@ -5,8 +5,8 @@ A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
   "sharded"; in the "full" format the folder itself holds the fp32 weights as HF safetensors, written by rank 0.
 - `optimizer/`: the optimizer state (DCP, each rank its shards; DCP reloads it into any world size).
 - `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
-- `trainer_state.json`: step, epoch, LR scheduler, world size, format, W&B run (id, project, entity), the resolved
-  config and the training data's identity (rows and a hash of its tokens).
+- `trainer_state.json`: step, epoch, LR scheduler, world size, format, the master weights' dtype, W&B run (id,
+  project, entity), the resolved config and the training data's identity (rows and a hash of its tokens).
 - `config.json`, `generation_config.json`, tokenizer files (named chat templates in `additional_chat_templates/`),
   the source's processor files: what the converter needs to write an HF folder.
 
@@ -402,7 +402,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
         print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
                     f": the LR schedule (and a warm-up given as a fraction of the run) follows the new total from "
                     f"step {state['step']}")
-    differ = training_config_differences(state, cfg, dist.get_world_size())
+    differ = training_config_differences(state, cfg, dist.get_world_size(), master_dtype(model))
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
                               f"resume continues that run, whose data position and optimizer settings the checkpoint "
@@ -505,8 +505,14 @@ def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
     return world_size * batch * accumulation, f"{world_size} ranks x {batch} x {accumulation}"
 
 
-def training_config_differences(state: dict, cfg: TrainConfig, world_size: int) -> list[str]:
-    """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none).
+def master_dtype(model: nn.Module) -> str:
+    """The dtype of the weights the optimizer updates, such as 'float32' (bfloat16 with pure_bf16)."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, master: str) -> list[str]:
+    """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none); `master`
+    is the master_dtype of the model resuming.
 
     The data position is the step count: each step trains on the next global batch of the epoch's shuffled order
     (DistributedSampler hands rank r the positions r, r + world_size, ..., so a step of any layout covers one
@@ -521,6 +527,13 @@ def training_config_differences(state: dict, cfg: TrainConfig, world_size: int) 
     if saved_batch != batch:
         differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
                       f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})")
+    # pure_bf16 against bf16 or no: the master weights and Adam's moments would be rounded to bf16, or go on from
+    # bf16-rounded values. bf16 and no differ in compute only, and may change like the engine.
+    saved_master = state.get("master_dtype", master)  # a checkpoint from before the record: not compared
+    if saved_master != master:
+        needed = "pure_bf16" if saved_master == "bfloat16" else "bf16 or no"
+        differ.append(f"master weights and optimizer state (mixed_precision): checkpoint {saved_master} "
+                      f"(mixed_precision {needed}), now {master}")
     return differ
 
 
@@ -601,7 +614,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
-                     "scheduler": scheduler.state_dict(), **(wandb_run or {}),
+                     "master_dtype": master_dtype(model), "scheduler": scheduler.state_dict(), **(wandb_run or {}),
                      "config": cfg.to_dict(), "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)

@@ -797,7 +797,8 @@ def resume_inputs(tiny, *args):
     """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
     tokenizer = load_tokenizer(cfg)
-    return cfg, AutoModelForCausalLM.from_pretrained(tiny["tied_model"]), tokenizer, build_datasets(cfg, tokenizer)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny["tied_model"], dtype=torch.float32)  # fp32 master weights
+    return cfg, model, tokenizer, build_datasets(cfg, tokenizer)[0]
 
 
 def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, reference, one_process_group):
@@ -819,6 +820,10 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         f"(2 ranks x 4 x 2), now 8 (1 ranks x 4 x 2)): a resume continues that run, whose data position and "
         f"optimizer settings the checkpoint holds, so resume with the checkpoint's values, or start a fresh run "
         f"(without --resume_from_checkpoint)")
+    # pure_bf16 keeps master weights and Adam's moments in bf16: the checkpoint's fp32 ones would be rounded.
+    with pytest.raises(CheckpointError, match=r"\(master weights and optimizer state \(mixed_precision\): checkpoint "
+                                              r"float32 \(mixed_precision bf16 or no\), now bfloat16\)"):
+        resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
 
 
 def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group):
