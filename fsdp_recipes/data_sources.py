@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import math
@@ -10,6 +11,8 @@ from typing import Callable, Optional
 
 import datasets
 import pandas
+from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+from huggingface_hub import metadata_load
 
 from .config import ConfigError
 
@@ -18,6 +21,15 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 
 def _is_saved_folder(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json"))
+
+
+def _is_files_folder(path: str) -> bool:
+    """A folder of data files, not saved with save_to_disk, and without a dataset card that names its configs (a
+    local copy of a Hub data set, which load_dataset reads as the Hub would)."""
+    if not os.path.isdir(path) or _is_saved_folder(path):
+        return False
+    card = os.path.join(path, "README.md")
+    return not (os.path.isfile(card) and (metadata_load(card) or {}).get("configs"))
 
 
 def _first_bad_json_line(path: str) -> Optional[str]:
@@ -60,16 +72,19 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     instruction = _parse_split(name, split)
     if not os.path.exists(name) and (os.path.splitext(name)[1] in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
         raise ConfigError(f"dataset_name {name}: no such file or folder")
-    if config_name and (os.path.isfile(name) or _is_saved_folder(name)):
+    if config_name and (os.path.isfile(name) or _is_saved_folder(name) or _is_files_folder(name)):
+        kind = ("file" if os.path.isfile(name) else "save_to_disk folder" if _is_saved_folder(name) else
+                "folder of data files without a dataset card (README.md) that names configs")
         raise ConfigError(f"dataset_config_name {config_name} is for a Hub data set (or a local copy of one); {name} "
-                          f"is a {'file' if os.path.isfile(name) else 'save_to_disk folder'}: remove "
-                          "dataset_config_name, or in a mixture give one per data set, empty for this one (such as "
-                          "',main')")
+                          f"is a {kind}: remove dataset_config_name, or in a mixture give one per data set, empty for "
+                          "this one (such as ',main')")
     if os.path.isfile(name):
         dataset = _take_split(name, split, instruction, {"train": lambda: _load_file(name)},
                               "a single file holds one split")
     elif os.path.isdir(name) and _is_saved_folder(name):
         dataset = _load_saved_folder(name, split, instruction)
+    elif _is_files_folder(name):
+        dataset = _load_files_folder(name, split, instruction)
     else:
         try:
             dataset = datasets.load_dataset(name, config_name, split=split)
@@ -118,7 +133,7 @@ def _take_split(name: str, split: str, instruction: datasets.ReadInstruction,
 
 
 def _load_file(name: str) -> datasets.Dataset:
-    builder = _FILE_BUILDERS.get(os.path.splitext(name)[1])
+    builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
     if builder is None:
         raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
     if os.path.getsize(name) == 0:
@@ -126,6 +141,8 @@ def _load_file(name: str) -> datasets.Dataset:
     try:
         options = _csv_as_text(name) if builder == "csv" else {}
         return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
+    except ConfigError:
+        raise
     except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
         if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
             raise ConfigError(f"{name} holds no examples") from None
@@ -136,8 +153,21 @@ def _csv_as_text(name: str) -> dict:
     """load_dataset options that read every cell as text: pandas would read '007' as the number 7, and 'None' or
     'NA' as missing. The columns are named by pandas itself ('Unnamed: 0' for an index column, 'x.1' for a second
     'x'), as the rows are then read."""
+    _check_csv_fields(name)
     header = pandas.read_csv(name, nrows=0).columns
     return {"features": datasets.Features({column: datasets.Value("string") for column in header}), "na_filter": False}
+
+
+def _check_csv_fields(name: str) -> None:
+    """A ConfigError for the first row whose fields are more or fewer than the header's. pandas takes a first row
+    with one field more for an index column, and shifts every column of every row by one, without a word."""
+    with open(name, newline="", encoding="utf-8") as f:
+        rows = csv.reader(f)
+        header = next((row for row in rows if row), [])
+        for row in rows:
+            if row and len(row) != len(header):
+                raise ConfigError(f"cannot parse {name}, line {rows.line_num}: {len(row)} fields, the header has "
+                                  f"{len(header)} (quote a cell that holds a comma: \"a, b\")")
 
 
 def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
@@ -151,6 +181,40 @@ def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruct
         splits = json.load(f)["splits"]
     loaders = {splitname: functools.partial(_load_from_disk, os.path.join(name, splitname)) for splitname in splits}
     return _take_split(name, split, instruction, loaders)
+
+
+def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
+    """A folder of data files, in splits by datasets' own file naming (train*, test*, validation*, ...: every file is
+    train where none is so named), each file read as a single file is (_load_file: CSV cells as text, a bad file
+    named with its line), all of them: load_dataset would read only the most common file type, leaving the others
+    out without a word."""
+    try:
+        files = DataFilesDict.from_patterns(get_data_patterns(name), base_path=name)
+    except EmptyDatasetError:
+        raise ConfigError(f"{name} holds no data files (json, jsonl, csv or parquet)") from None
+    for file in (file for split_files in files.values() for file in split_files):
+        if os.path.splitext(file)[1].lower() not in _FILE_BUILDERS:  # not left out: it may be data
+            raise ConfigError(f"{file}: unsupported file type in the data folder {name}, whose every file is read; "
+                              f"use one of {', '.join(_FILE_BUILDERS)}, or move it out of the folder")
+    loaders = {str(splitname): functools.partial(_load_files, name, list(split_files))
+               for splitname, split_files in files.items()}
+    return _take_split(name, split, instruction, loaders)
+
+
+def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
+    """The files of one split of a data folder, one after the other. Files with other columns are an error
+    (concatenate_datasets would fill each one's missing columns with None), and so are columns whose types cannot
+    be joined."""
+    parts = [_load_file(file) for file in files]
+    advice = "give every file the same columns, or put the files in folders of their own and list those in dataset_name"
+    for file, part in zip(files[1:], parts[1:]):
+        if sorted(part.column_names) != sorted(parts[0].column_names):
+            raise ConfigError(f"the files of {folder} differ in their columns: {files[0]} has {parts[0].column_names}, "
+                              f"{file} has {part.column_names}: {advice}")
+    try:
+        return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    except ValueError as error:  # datasets names the features it cannot align
+        raise ConfigError(f"the files of {folder} have columns of other types ({error}): {advice}") from None
 
 
 def _load_from_disk(path: str) -> datasets.Dataset:

@@ -843,9 +843,15 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     table.save_to_disk(tmp_path / "saved", num_shards=3)
     saved_files = sorted(p.name for p in (tmp_path / "saved").iterdir())
     (tmp_path / "folder").mkdir()
-    demo.write_jsonl(tmp_path / "folder" / "part.jsonl", ROWS)  # read by load_dataset(name), as a Hub id is
+    demo.write_jsonl(tmp_path / "folder" / "part.jsonl", ROWS)
+    # A folder of several file types: every file is read (load_dataset would read the jsonl files alone).
+    (tmp_path / "mixed" / "more").mkdir(parents=True)
+    demo.write_jsonl(tmp_path / "mixed" / "a.jsonl", ROWS[:10])
+    datasets.Dataset.from_list(ROWS[10:25]).to_csv(tmp_path / "mixed" / "b.csv", index=False)
+    demo.write_jsonl(tmp_path / "mixed" / "c.jsonl", ROWS[25:30])
+    datasets.Dataset.from_list(ROWS[30:]).to_parquet(tmp_path / "mixed" / "more" / "d.parquet")
     expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
-    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder"]:
+    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder", "mixed"]:
         train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
         assert list(train["input_ids"]) == expected, name
         assert eval_set is None
@@ -863,6 +869,18 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
         (tmp_path / "e.csv").write_text(header + "a,7\n", encoding="utf-8")
         assert list(load_split(str(tmp_path / "e.csv"), None, "train"))[0] | {"Unnamed: 0": "0"} == {
             "Unnamed: 0": "0", "prompt": "a", "completion": "7"}
+    # In a folder too.
+    (tmp_path / "folder").mkdir()
+    shutil.copy(tmp_path / "d.csv", tmp_path / "folder" / "part.csv")
+    assert list(load_split(str(tmp_path / "folder"), None, "train"))[0] == {"prompt": "what is 7? ",
+                                                                           "completion": "007"}
+    # A comma left unquoted in the first row: pandas would take its first cell for an index column and shift every
+    # row's columns by one; a row with a cell too few would read as an empty completion.
+    for row, line in [("translate: hello, world,bonjour\nsay hi,hi\n", 2), ("say hi,hi\nsay ho\n", 3)]:
+        (tmp_path / "f.csv").write_text("prompt,completion\n" + row)
+        with pytest.raises(ConfigError, match=rf"^cannot parse .*f.csv, line {line}: . fields, the header has 2 "
+                                              r"\(quote a cell that holds a comma: \"a, b\"\)$"):
+            load_split(str(tmp_path / "f.csv"), None, "train")
 
 
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
@@ -983,6 +1001,16 @@ def bad_input_cases(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
     (tmp_path / "data_folder").mkdir()
     demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
+    for folder in ("bad_folder", "columns_folder", "types_folder", "text_folder", "empty_folder"):
+        (tmp_path / folder).mkdir()
+    demo.write_jsonl(tmp_path / "bad_folder" / "a.jsonl", ROWS)
+    shutil.copy(tmp_path / "bad.jsonl", tmp_path / "bad_folder" / "b.jsonl")
+    demo.write_jsonl(tmp_path / "columns_folder" / "a.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "columns_folder" / "b.jsonl", [CHAT])
+    demo.write_jsonl(tmp_path / "types_folder" / "a.jsonl", [{"text": "a"}])
+    demo.write_jsonl(tmp_path / "types_folder" / "b.jsonl", [{"text": ["a"]}])
+    demo.write_jsonl(tmp_path / "text_folder" / "a.jsonl", ROWS)
+    (tmp_path / "text_folder" / "notes.txt").write_text("where the data came from\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
@@ -991,7 +1019,7 @@ def bad_input_cases(tmp_path):
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
-        (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, .*Expected 2 fields in line 3, saw 3"),
+        (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, line 3: 3 fields, the header has 2"),
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"found the columns \['question', 'answer'\]; expected chat: messages"),
@@ -1010,8 +1038,17 @@ def bad_input_cases(tmp_path):
          r"single has no split 'test'; its splits are \['train'\] \(a folder saved from a single Dataset"),
         (cfg(tmp_path / "single", dataset_split="validation"), r"single has no split 'validation'"),
         (cfg(tmp_path / "ok.jsonl", dataset_split="train[:x]"), r"cannot read the split 'train\[:x\]'"),
-        (cfg(tmp_path / "data_folder", eval_split="test"),
-         r"data_folder: Unknown split \"test\". Should be one of \['train'\]"),
+        (cfg(tmp_path / "data_folder", eval_split="test"), r"data_folder has no split 'test'; its splits are \['train'\]$"),
+        (cfg(tmp_path / "data_folder", dataset_config_name="en"),
+         r"data_folder is a folder of data files without a dataset card \(README.md\) that names configs"),
+        (cfg(tmp_path / "bad_folder"), r"cannot parse .*bad_folder/b.jsonl, line 3: Expecting ',' delimiter"),
+        (cfg(tmp_path / "columns_folder"), r"the files of .*columns_folder differ in their columns: .*a.jsonl has "
+                                           r"\['prompt', 'completion'\], .*b.jsonl has \['messages'\]: give every "
+                                           r"file the same columns"),
+        (cfg(tmp_path / "types_folder"), r"the files of .*types_folder have columns of other types"),
+        (cfg(tmp_path / "text_folder"), r".*text_folder/notes.txt: unsupported file type in the data folder .*, "
+                                        r"whose every file is read; use one of .json, .jsonl, .csv, .parquet, or move"),
+        (cfg(tmp_path / "empty_folder"), r"empty_folder holds no data files \(json, jsonl, csv or parquet\)"),
         (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set "
                                                               r"\(or a local copy of one\); .*ok.jsonl is a file"),
         (cfg(tmp_path / "single", dataset_config_name="en"), r"single is a save_to_disk folder"),
