@@ -371,6 +371,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged keys may be overridden
                 continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):  # every config key is a name
+                quote = (" (YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it)"
+                         if isinstance(key, bool) else "")
+                shown = key_node.value if isinstance(key_node, yaml.ScalarNode) else f"a {type(key).__name__}"
+                raise yaml.constructor.ConstructorError(problem=f"key {shown} is not a name{quote}",
+                                                        problem_mark=key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(problem=f"key '{key}' is set twice",
                                                         problem_mark=key_node.start_mark)

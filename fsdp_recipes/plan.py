@@ -63,18 +63,36 @@ def _env_name(name: str) -> Optional[str]:
 
 
 def _env_int(name: str) -> Optional[int]:
+    """A whole number; accelerate writes 1e8 as "100000000", a YAML may hold "1e8"."""
     value = os.environ.get(name)
-    return None if value is None else int(float(value))  # accelerate writes 1e8 as "100000000", users as "1e8"
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is None or not number.is_integer():
+        raise ConfigError(f"the accelerate config's {name.lower()} must be a whole number, got {value!r}")
+    return int(number)
+
+
+def _env_strategy(name: str) -> Optional[str]:
+    """An FSDP1 sharding strategy by name in any case or, as accelerate also reads it, by torch's number (1:
+    FULL_SHARD, 2: SHARD_GRAD_OP, 3: NO_SHARD, 4: HYBRID_SHARD)."""
+    value = _env_name(name)
+    if value is not None and value.isdigit() and 1 <= int(value) <= len(FSDP1_STRATEGIES):
+        return FSDP1_STRATEGIES[int(value) - 1]
+    return value
 
 
 def _env_reshard(name: str) -> bool | str | None:
     """accelerate's fsdp_reshard_after_forward: true or false for FSDP2, or, as `accelerate config` writes it for
-    FSDP1, a sharding strategy name."""
+    FSDP1, a sharding strategy (by name or number)."""
     value = os.environ.get(name)
     if value is None:
         return None
-    if value.strip().upper() in FSDP1_STRATEGIES:
-        return value.strip().upper()
+    if _env_strategy(name) in FSDP1_STRATEGIES:
+        return _env_strategy(name)
     if value.strip().lower() not in TRUE + FALSE:
         raise ConfigError(f"fsdp_reshard_after_forward must be true or false (FSDP2) or one of "
                           f"{', '.join(FSDP1_STRATEGIES)} (FSDP1), got {value}")
@@ -150,18 +168,29 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                           "torch.compile does not trace per layer; set fsdp_version 2 or torch_compile false")
 
     # accelerate always exports both settings, with FULL_SHARD and true as defaults; each engine reads only its own.
-    env_strategy = env(_env_name, "FSDP_SHARDING_STRATEGY")
+    # Under the recipe config's fsdp_version of the other engine (crossed), the accelerate config's setting is
+    # applied in the chosen engine's terms (FULL_SHARD: true, SHARD_GRAD_OP: false), or replaced by the recipe
+    # config's own, and the plan prints which.
+    env_strategy = env(_env_strategy, "FSDP_SHARDING_STRATEGY")
     env_reshard = env(_env_reshard, "FSDP_RESHARD_AFTER_FORWARD")
+    crossed = env(_env_int, "FSDP_VERSION") not in (None, version)
     if version == 1:
         if cfg.fsdp_reshard_after_forward is not None:
             raise ConfigError("fsdp_reshard_after_forward is an FSDP2 setting: with fsdp_version 1 set "
                               "fsdp_sharding_strategy (FULL_SHARD or SHARD_GRAD_OP) instead")
-        if env_reshard is False:
+        if env_reshard is False and not crossed:
             raise ConfigError("the accelerate config sets fsdp_reshard_after_forward false, an FSDP2 setting: with "
                               "fsdp_version 1 use fsdp_sharding_strategy SHARD_GRAD_OP instead")
+        if env_reshard is False and cfg.fsdp_sharding_strategy is not None:
+            overrides.append(f"fsdp_reshard_after_forward: accelerate config false (FSDP2) replaced by the recipe "
+                             f"config's fsdp_sharding_strategy {cfg.fsdp_sharding_strategy}")
+        elif env_reshard is False:
+            overrides.append("fsdp_reshard_after_forward: accelerate config false (FSDP2) applied as "
+                             "fsdp_sharding_strategy SHARD_GRAD_OP with fsdp_version 1")
+            env_strategy = "SHARD_GRAD_OP"
         if isinstance(env_reshard, str):
             # accelerate exports fsdp_sharding_strategy as FULL_SHARD when the YAML leaves it out.
-            if env_strategy not in (None, "FULL_SHARD", env_reshard):
+            if env_strategy not in (None, "FULL_SHARD", env_reshard) and cfg.fsdp_sharding_strategy is None:
                 raise ConfigError(f"the accelerate config sets fsdp_sharding_strategy {env_strategy} and "
                                   f"fsdp_reshard_after_forward {env_reshard}: keep one of them")
             env_strategy = env_reshard
@@ -170,17 +199,30 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
             raise ConfigError(f"fsdp_sharding_strategy must be one of {', '.join(FSDP1_STRATEGIES)}, got {strategy}")
         reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     else:
-        if isinstance(env_reshard, str):
-            raise ConfigError(f"the accelerate config sets fsdp_reshard_after_forward {env_reshard}, an FSDP1 "
-                              f"sharding strategy: with fsdp_version 2 set it to true (FULL_SHARD) or false "
-                              f"(SHARD_GRAD_OP)")
-        if cfg.fsdp_sharding_strategy is not None or env_strategy not in (None, "FULL_SHARD"):
-            where = ("the recipe config sets" if cfg.fsdp_sharding_strategy is not None else
-                     f"the accelerate config sets fsdp_sharding_strategy {env_strategy}, and")
-            raise ConfigError(f"fsdp_sharding_strategy is an FSDP1 setting ({where} fsdp_version is 2): with "
-                              "fsdp_version 2 set fsdp_reshard_after_forward (true: FULL_SHARD, false: "
-                              "SHARD_GRAD_OP), and dp_replicate_size (accelerate: "
+        if cfg.fsdp_sharding_strategy is not None:
+            raise ConfigError("fsdp_sharding_strategy is an FSDP1 setting (the recipe config sets it, and "
+                              "fsdp_version is 2): with fsdp_version 2 set fsdp_reshard_after_forward (true: "
+                              "FULL_SHARD, false: SHARD_GRAD_OP), and dp_replicate_size (accelerate: "
                               "parallelism_config_dp_replicate_size) for HSDP")
+        # The FSDP1 strategy the accelerate config names, under either key (FULL_SHARD alone is the default export).
+        key, env_fsdp1 = (("fsdp_reshard_after_forward", env_reshard) if isinstance(env_reshard, str) else
+                          ("fsdp_sharding_strategy", env_strategy if env_strategy != "FULL_SHARD" else None))
+        if env_fsdp1 is not None and not crossed:
+            raise ConfigError(f"the accelerate config sets {key} {env_fsdp1}, an FSDP1 sharding strategy, and "
+                              f"fsdp_version 2: set fsdp_reshard_after_forward true (FULL_SHARD) or false "
+                              f"(SHARD_GRAD_OP), and parallelism_config_dp_replicate_size for HSDP")
+        if env_fsdp1 is not None and cfg.fsdp_reshard_after_forward is not None:
+            overrides.append(f"{key}: accelerate config {env_fsdp1} (FSDP1) replaced by the recipe config's "
+                             f"fsdp_reshard_after_forward {str(cfg.fsdp_reshard_after_forward).lower()}")
+            env_reshard = None
+        elif env_fsdp1 in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            env_reshard = env_fsdp1 == "FULL_SHARD"
+            overrides.append(f"{key}: accelerate config {env_fsdp1} (FSDP1) applied as fsdp_reshard_after_forward "
+                             f"{str(env_reshard).lower()} with fsdp_version 2")
+        elif env_fsdp1 is not None:
+            raise ConfigError(f"the accelerate config sets {key} {env_fsdp1}, an FSDP1 sharding strategy with no "
+                              f"FSDP2 equivalent: set fsdp_reshard_after_forward in the recipe config (and "
+                              f"dp_replicate_size for HSDP), or launch with an FSDP2 accelerate config")
         reshard = pick("fsdp_reshard_after_forward", cfg.fsdp_reshard_after_forward, env_reshard, True)
         strategy = "FULL_SHARD" if reshard else "SHARD_GRAD_OP"
 
@@ -194,6 +236,11 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
         raise ConfigError(f"dp_replicate_size {replicate}{where} needs fsdp_sharding_strategy HYBRID_SHARD with "
                           f"fsdp_version 1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # a plain `python recipe.py` is one process
+    if replicate is not None and (replicate < 1 or world % replicate):
+        where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
+        raise ConfigError(f"dp_replicate_size {replicate}{where} does not divide the {world} processes launched: "
+                          f"set it to a divisor, such as the number of nodes")
 
     env_wrap = env(_env_name, "FSDP_AUTO_WRAP_POLICY")
     env_layers = env(os.environ.get, "FSDP_TRANSFORMER_CLS_TO_WRAP")
@@ -227,8 +274,10 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                           "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP")
 
     precision = pick("mixed_precision", cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"), "bf16")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision not in PRECISIONS:  # the recipe config's parser takes only these: the value is accelerate's
+        raise ConfigError(f"the accelerate config (or accelerate launch --mixed_precision) sets mixed_precision "
+                          f"{precision}, which these recipes do not run: set one of {', '.join(PRECISIONS)} there, or "
+                          f"mixed_precision in the recipe config, which wins")
 
     prefetch = env(_env_name, "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2 and env(_env_int, "FSDP_VERSION") == 1:
@@ -241,6 +290,13 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                           "prefetches): remove it")
     if prefetch not in (None, "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
         raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
+
+    # The checkpoint format (checkpoint.resolve_state_dict_type) is read from either config too: say which won.
+    env_state_dict = env(_env_name, "FSDP_STATE_DICT_TYPE")
+    env_format = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}.get(env_state_dict)
+    if cfg.save_state_dict_type and env_format and cfg.save_state_dict_type != env_format:
+        overrides.append(f"save_state_dict_type: recipe config {cfg.save_state_dict_type!r} overrides accelerate "
+                         f"config fsdp_state_dict_type {env_state_dict!r}")
 
     offload = pick("fsdp_offload_params", cfg.fsdp_offload_params, env(_env_bool, "FSDP_OFFLOAD_PARAMS"), False)
     if (version == 1 and offload and cfg.gradient_accumulation_steps > 1

@@ -107,6 +107,11 @@ def test_bad_values_are_explained(args, message):
     ("max_steps: 5\nmax_steps: 6", r"is not valid YAML: key 'max_steps' is set twice in .* line 4"),
     ("resume_from_checkpoint: true", "resume_from_checkpoint true: set it to auto"),
     ("mixed_precision: no", r"got False \(YAML reads an unquoted yes, no, on or off as true or false: quote it\)"),
+    # A key that is not a name (a boolean, a number, a list) is named with its line, not a traceback.
+    ("no: 3", r"key no is not a name \(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it\)"
+              r" in .* line 3"),
+    ("1: x", r"is not valid YAML: key 1 is not a name in .* line 3"),
+    ("[a]: x", r"is not valid YAML: key a list is not a name in .* line 3"),
     ("num_train_epochs: .nan", "num_train_epochs must be positive when max_steps is -1"),
 ])
 def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):

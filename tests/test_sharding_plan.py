@@ -45,10 +45,13 @@ def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_
     accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     plan = plan_for()
     assert plan.activation_checkpointing and plan.cpu_ram_efficient_loading and plan.overrides == []
-    plan = plan_for("--fsdp_version", "1", "--mixed_precision", "no", "--fsdp_activation_checkpointing", "true")
+    plan = plan_for("--fsdp_version", "1", "--mixed_precision", "no", "--fsdp_activation_checkpointing", "true",
+                    "--save_state_dict_type", "full")
     assert (plan.fsdp_version, plan.sharding_strategy, plan.mixed_precision) == (1, "FULL_SHARD", "no")
     assert plan.overrides == ["fsdp_version: recipe config 1 overrides accelerate config 2",
-                              "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'"]
+                              "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'",
+                              "save_state_dict_type: recipe config 'full' overrides accelerate config "
+                              "fsdp_state_dict_type 'SHARDED_STATE_DICT'"]
 
 
 def test_recipe_fsdp_version_2_over_an_fsdp1_accelerate_config(accelerate_env):
@@ -60,12 +63,41 @@ def test_recipe_fsdp_version_2_over_an_fsdp1_accelerate_config(accelerate_env):
     assert plan.overrides == ["fsdp_version: recipe config 2 overrides accelerate config 1",
                               "fsdp_backward_prefetch: accelerate config 'BACKWARD_PRE' is an FSDP1 setting, not "
                               "applied with fsdp_version 2 (FSDP2 always prefetches)"]
-    # Its strategy has no FSDP2 meaning the recipe could infer: refused, saying where it comes from.
-    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
-    with pytest.raises(ConfigError, match=r"^fsdp_sharding_strategy is an FSDP1 setting \(the accelerate config sets "
-                                          r"fsdp_sharding_strategy SHARD_GRAD_OP, and fsdp_version is 2\): with "
-                                          r"fsdp_version 2 set fsdp_reshard_after_forward"):
-        plan_for("--fsdp_version", "2")
+    # Its strategy, under either key (`accelerate config` writes it as fsdp_reshard_after_forward), is applied in
+    # FSDP2's terms, or replaced by the recipe config's own fsdp_reshard_after_forward; the plan says which.
+    for key in ("FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD"):
+        accelerate_env.setenv(key, "SHARD_GRAD_OP")
+        plan = plan_for("--fsdp_version", "2")
+        assert (plan.fsdp_version, plan.reshard_after_forward, plan.sharding_strategy) == (2, False, "SHARD_GRAD_OP")
+        assert plan.overrides[1] == (f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) applied as "
+                                     f"fsdp_reshard_after_forward false with fsdp_version 2")
+        plan = plan_for("--fsdp_version", "2", "--fsdp_reshard_after_forward", "true")
+        assert plan.reshard_after_forward and plan.overrides[1] == (
+            f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) replaced by the recipe config's "
+            f"fsdp_reshard_after_forward true")
+        # HYBRID_SHARD's replicas come from elsewhere in FSDP2 (dp_replicate_size): no translation is made.
+        accelerate_env.setenv(key, "HYBRID_SHARD")
+        with pytest.raises(ConfigError, match=f"^the accelerate config sets {key.lower()} HYBRID_SHARD, an FSDP1 "
+                                              f"sharding strategy with no FSDP2 equivalent: set "
+                                              f"fsdp_reshard_after_forward in the recipe config"):
+            plan_for("--fsdp_version", "2")
+        accelerate_env.setenv(key, "HYBRID_SHARD")
+        assert plan_for("--fsdp_version", "2", "--fsdp_reshard_after_forward", "false").reshard_after_forward is False
+        accelerate_env.setenv(key, {"FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "true"}[key])
+
+
+def test_recipe_fsdp_version_1_over_an_fsdp2_accelerate_config(accelerate_env):
+    # fsdp2_ac.yaml keeps layers gathered after forward: FSDP1's SHARD_GRAD_OP, unless the recipe names a strategy.
+    accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    plan = plan_for("--fsdp_version", "1")
+    assert (plan.fsdp_version, plan.sharding_strategy, plan.reshard_after_forward) == (1, "SHARD_GRAD_OP", False)
+    assert plan.overrides[1] == ("fsdp_reshard_after_forward: accelerate config false (FSDP2) applied as "
+                                 "fsdp_sharding_strategy SHARD_GRAD_OP with fsdp_version 1")
+    for strategy in ("SHARD_GRAD_OP", "FULL_SHARD"):
+        plan = plan_for("--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
+        assert plan.sharding_strategy == strategy
+        assert plan.overrides[1] == (f"fsdp_reshard_after_forward: accelerate config false (FSDP2) replaced by the "
+                                     f"recipe config's fsdp_sharding_strategy {strategy}")
 
 
 def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
@@ -82,11 +114,15 @@ def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
 def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
     for key, value in {"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "shard_grad_op", "FSDP_OFFLOAD_PARAMS": "on",
                        "FSDP_ACTIVATION_CHECKPOINTING": "T", "FSDP_CPU_RAM_EFFICIENT_LOADING": "off",
-                       "FSDP_BACKWARD_PREFETCH": "backward_post"}.items():
+                       "FSDP_BACKWARD_PREFETCH": "backward_post", "FSDP_MIN_NUM_PARAMS": "1e8"}.items():
         accelerate_env.setenv(key, value)
     plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
     assert (plan.sharding_strategy, plan.offload_params, plan.activation_checkpointing) == ("SHARD_GRAD_OP", True, True)
     assert (plan.cpu_ram_efficient_loading, plan.backward_prefetch) == (False, "BACKWARD_POST")
+    # Strategies by torch's number, as older `accelerate config` versions wrote them.
+    for number, strategy in [("2", "SHARD_GRAD_OP"), ("3", "NO_SHARD")]:
+        accelerate_env.setenv("FSDP_SHARDING_STRATEGY", number)
+        assert plan_for("--gradient_sync", "last_micro_batch").sharding_strategy == strategy
 
 
 def test_fsdp1_offload_accumulates_with_one_reduction_per_step(accelerate_env):
@@ -112,7 +148,9 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
 
 
 @pytest.mark.parametrize("env, args, message", [
-    ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, [], "fsdp_sharding_strategy is an FSDP1 setting"),
+    ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, [], "^the accelerate config sets fsdp_sharding_strategy "
+                                                      "SHARD_GRAD_OP, an FSDP1 sharding strategy, and fsdp_version 2: "
+                                                      "set fsdp_reshard_after_forward true"),
     ({}, ["--fsdp_sharding_strategy", "NO_SHARD"], "fsdp_sharding_strategy is an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--fsdp_reshard_after_forward", "false"], "an FSDP2 setting"),
     ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
@@ -123,7 +161,15 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
      "torch_compile, none of which this run uses"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}, [],
      "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
-    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], "mixed_precision must be one of bf16, no, pure_bf16"),
+    ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], r"^the accelerate config \(or accelerate launch --mixed_precision\) "
+                                                 r"sets mixed_precision fp16, which these recipes do not run: set one "
+                                                 r"of bf16, no, pure_bf16 there, or mixed_precision in the recipe"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "100k"}, [],
+     "^the accelerate config's fsdp_min_num_params must be a whole number, got '100k'"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1500.7"}, [], "got '1500.7'"),
+    ({"WORLD_SIZE": "3"}, ["--dp_replicate_size", "2"], "^dp_replicate_size 2 does not divide the 3 processes "
+                                                        "launched: set it to a divisor"),
+    ({}, ["--dp_replicate_size", "2"], "^dp_replicate_size 2 does not divide the 1 processes"),
     ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
     ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
     ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
@@ -139,8 +185,8 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
      r"launched: set them to the number of nodes"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_TP_SIZE": "2"}, [], r"parallelism_config_tp_size 2 is not supported"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_CP_SIZE": "2"}, ["--dp_replicate_size", "1"], "parallelism_config_cp_size 2"),
-    ({"FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op"}, [], "SHARD_GRAD_OP, an FSDP1 sharding strategy: with "
-                                                          "fsdp_version 2 set it to true"),
+    ({"FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op"}, [], "sets fsdp_reshard_after_forward SHARD_GRAD_OP, an FSDP1 "
+                                                          "sharding strategy, and fsdp_version 2"),
     ({"FSDP_RESHARD_AFTER_FORWARD": "sometimes"}, [], "fsdp_reshard_after_forward must be true or false"),
     ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, [],
      "sets fsdp_sharding_strategy NO_SHARD and fsdp_reshard_after_forward SHARD_GRAD_OP: keep one of them"),
@@ -228,6 +274,7 @@ def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_pro
         monkeypatch.delenv(key, raising=False)
     hybrid = ["--fsdp_version", "1", "--fsdp_sharding_strategy", "HYBRID_SHARD"]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it
     for extra, replicas, advice in [([], "one replica per node (2 nodes of 1 rank; dp_replicate_size unset)", ""),
                                     (["--dp_replicate_size", "2"], "dp_replicate_size 2", ", or fewer replicas")]:
         with process_group_of(2), pytest.raises(ConfigError) as error:
@@ -235,6 +282,7 @@ def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_pro
         assert str(error.value) == (f"FSDP1 HYBRID_SHARD with {replicas} leaves 1 rank per shard group, which torch "
                                     f"does not synchronise: use NO_SHARD{advice}")
     # One process (python recipes/...py): nothing to synchronise.
+    monkeypatch.delenv("WORLD_SIZE")
     with process_group_of(1):
         plan = plan_for(*hybrid)
         build_mesh(plan, torch.device("cpu"))
