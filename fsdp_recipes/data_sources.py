@@ -10,6 +10,7 @@ import os
 from typing import Callable, Optional
 
 import datasets
+import fsspec
 import pandas
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 from huggingface_hub import metadata_load
@@ -17,6 +18,19 @@ from huggingface_hub import metadata_load
 from .config import ConfigError
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Compressions datasets' readers undo: data.jsonl.gz is read as data.jsonl.
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _file_type(path: str) -> str:
+    """The extension that names a data file's reader: '.jsonl' for data.jsonl, data.JSONL and data.jsonl.gz."""
+    stem, extension = os.path.splitext(path.lower())
+    return os.path.splitext(stem)[1] if extension in _COMPRESSIONS else extension
+
+
+def _open_text(path: str):
+    """A data file as text, decompressed as its extension says (fsspec, as datasets opens it)."""
+    return fsspec.open(path, "rt", compression="infer", encoding="utf-8", newline="")
 
 
 def _is_saved_folder(path: str) -> bool:
@@ -34,7 +48,7 @@ def _is_files_folder(path: str) -> bool:
 
 def _first_bad_json_line(path: str) -> Optional[str]:
     """'line N: reason' for the first line of a JSON-lines file that is not valid JSON, else None."""
-    with open(path) as f:
+    with _open_text(path) as f:
         for number, line in enumerate(f, start=1):
             if line.strip():
                 try:
@@ -47,11 +61,11 @@ def _first_bad_json_line(path: str) -> Optional[str]:
 def _parse_error(path: str, error: Exception) -> ConfigError:
     """Name the file and, where it can be found, the line: datasets' own message names neither."""
     where = None
-    if path.endswith(".jsonl"):
+    if _file_type(path) == ".jsonl":
         where = _first_bad_json_line(path)
-    elif path.endswith(".json"):
+    elif _file_type(path) == ".json":
         try:
-            with open(path) as f:
+            with _open_text(path) as f:
                 json.load(f)
         except json.JSONDecodeError as decode_error:
             where = f"line {decode_error.lineno}: {decode_error.msg}"
@@ -70,7 +84,7 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     `datasets` reads them. A file, and a folder saved from a single Dataset, hold one split: 'train'.
     """
     instruction = _parse_split(name, split)
-    if not os.path.exists(name) and (os.path.splitext(name)[1] in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
+    if not os.path.exists(name) and (_file_type(name) in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
         raise ConfigError(f"dataset_name {name}: no such file or folder")
     if config_name and (os.path.isfile(name) or _is_saved_folder(name) or _is_files_folder(name)):
         kind = ("file" if os.path.isfile(name) else "save_to_disk folder" if _is_saved_folder(name) else
@@ -133,9 +147,10 @@ def _take_split(name: str, split: str, instruction: datasets.ReadInstruction,
 
 
 def _load_file(name: str) -> datasets.Dataset:
-    builder = _FILE_BUILDERS.get(os.path.splitext(name)[1].lower())
+    builder = _FILE_BUILDERS.get(_file_type(name))
     if builder is None:
-        raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)}")
+        raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)} (or one of them "
+                          f"compressed: {', '.join(_COMPRESSIONS)})")
     if os.path.getsize(name) == 0:
         raise ConfigError(f"{name} is empty: it holds no examples")
     try:
@@ -160,14 +175,19 @@ def _csv_as_text(name: str) -> dict:
 
 def _check_csv_fields(name: str) -> None:
     """A ConfigError for the first row whose fields are more or fewer than the header's. pandas takes a first row
-    with one field more for an index column, and shifts every column of every row by one, without a word."""
-    with open(name, newline="", encoding="utf-8") as f:
-        rows = csv.reader(f)
-        header = next((row for row in rows if row), [])
+    with one field more for an index column, and shifts every column of every row by one, without a word. Blank
+    lines are skipped, as pandas skips them."""
+    csv.field_size_limit(2**31 - 1)  # the csv module's default, 131,072 characters a cell, is no limit of pandas'
+    with _open_text(name) as f:
+        rows, header, first_line = csv.reader(f), None, 1
         for row in rows:
-            if row and len(row) != len(header):
-                raise ConfigError(f"cannot parse {name}, line {rows.line_num}: {len(row)} fields, the header has "
-                                  f"{len(header)} (quote a cell that holds a comma: \"a, b\")")
+            if any(cell.strip() for cell in row) or len(row) > 1:
+                if header is None:
+                    header = row
+                elif len(row) != len(header):
+                    raise ConfigError(f"cannot parse {name}, line {first_line}: {len(row)} fields, the header has "
+                                      f"{len(header)} (quote a cell that holds a comma: \"a, b\")")
+            first_line = rows.line_num + 1  # the next row's first line: a quoted cell may span several
 
 
 def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
@@ -193,9 +213,10 @@ def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruct
     except EmptyDatasetError:
         raise ConfigError(f"{name} holds no data files (json, jsonl, csv or parquet)") from None
     for file in (file for split_files in files.values() for file in split_files):
-        if os.path.splitext(file)[1].lower() not in _FILE_BUILDERS:  # not left out: it may be data
+        if _file_type(file) not in _FILE_BUILDERS:  # not left out: it may be data
             raise ConfigError(f"{file}: unsupported file type in the data folder {name}, whose every file is read; "
-                              f"use one of {', '.join(_FILE_BUILDERS)}, or move it out of the folder")
+                              f"use one of {', '.join(_FILE_BUILDERS)} (or one of them compressed: "
+                              f"{', '.join(_COMPRESSIONS)}), or move it out of the folder")
     loaders = {str(splitname): functools.partial(_load_files, name, list(split_files))
                for splitname, split_files in files.items()}
     return _take_split(name, split, instruction, loaders)
@@ -205,6 +226,8 @@ def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
     """The files of one split of a data folder, one after the other. Files with other columns are an error
     (concatenate_datasets would fill each one's missing columns with None), and so are columns whose types cannot
     be joined."""
+    # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
+    files = [file for file in files if os.path.getsize(file)] or files[:1]
     parts = [_load_file(file) for file in files]
     advice = "give every file the same columns, or put the files in folders of their own and list those in dataset_name"
     for file, part in zip(files[1:], parts[1:]):

@@ -1,5 +1,6 @@
 """Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
+import gzip
 import json
 import re
 import shutil
@@ -850,8 +851,13 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     datasets.Dataset.from_list(ROWS[10:25]).to_csv(tmp_path / "mixed" / "b.csv", index=False)
     demo.write_jsonl(tmp_path / "mixed" / "c.jsonl", ROWS[25:30])
     datasets.Dataset.from_list(ROWS[30:]).to_parquet(tmp_path / "mixed" / "more" / "d.parquet")
+    # Compressed files, alone and in a folder beside an empty part file (as sharded exports write them).
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress((tmp_path / "d.jsonl").read_bytes()))
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "part-0.csv.gz").write_bytes(gzip.compress((tmp_path / "d.csv").read_bytes()))
+    (tmp_path / "parts" / "part-1.jsonl").write_text("")
     expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
-    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder", "mixed"]:
+    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder", "mixed", "d.jsonl.gz", "parts"]:
         train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
         assert list(train["input_ids"]) == expected, name
         assert eval_set is None
@@ -876,7 +882,11 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
                                                                            "completion": "007"}
     # A comma left unquoted in the first row: pandas would take its first cell for an index column and shift every
     # row's columns by one; a row with a cell too few would read as an empty completion.
-    for row, line in [("translate: hello, world,bonjour\nsay hi,hi\n", 2), ("say hi,hi\nsay ho\n", 3)]:
+    # A cell longer than the csv module's default limit, a line of spaces, quoted line breaks (Windows' too).
+    (tmp_path / "g.csv").write_text("prompt,completion\n" + "a" * 200_000 + ",b\n   \n\"two\r\nlines\",c\r\n")
+    assert [len(row["prompt"]) for row in load_split(str(tmp_path / "g.csv"), None, "train")] == [200_000, 10]
+    for row, line in [("translate: hello, world,bonjour\nsay hi,hi\n", 2), ("say hi,hi\nsay ho\n", 3),
+                      ("say hi,hi\n\"two\nlines\",x,y\n", 3)]:  # the line where the row starts
         (tmp_path / "f.csv").write_text("prompt,completion\n" + row)
         with pytest.raises(ConfigError, match=rf"^cannot parse .*f.csv, line {line}: . fields, the header has 2 "
                                               r"\(quote a cell that holds a comma: \"a, b\"\)$"):
@@ -1047,7 +1057,8 @@ def bad_input_cases(tmp_path):
                                            r"file the same columns"),
         (cfg(tmp_path / "types_folder"), r"the files of .*types_folder have columns of other types"),
         (cfg(tmp_path / "text_folder"), r".*text_folder/notes.txt: unsupported file type in the data folder .*, "
-                                        r"whose every file is read; use one of .json, .jsonl, .csv, .parquet, or move"),
+                                        r"whose every file is read; use one of .json, .jsonl, .csv, .parquet \(or one "
+                                        r"of them compressed: .gz, .bz2, .xz, .zst\), or move"),
         (cfg(tmp_path / "empty_folder"), r"empty_folder holds no data files \(json, jsonl, csv or parquet\)"),
         (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set "
                                                               r"\(or a local copy of one\); .*ok.jsonl is a file"),
