@@ -85,13 +85,13 @@ def _env_strategy(name: str) -> Optional[str]:
     return value
 
 
-def _env_reshard(name: str) -> bool | str | None:
+def _env_reshard(name: str, fsdp1: bool) -> bool | str | None:
     """accelerate's fsdp_reshard_after_forward: true or false for FSDP2, or, as `accelerate config` writes it for
-    FSDP1, a sharding strategy (by name or number)."""
+    FSDP1, a sharding strategy: by name, or for an FSDP1 config (`fsdp1`) by number, where FSDP2 reads 1 as true."""
     value = os.environ.get(name)
     if value is None:
         return None
-    if _env_strategy(name) in FSDP1_STRATEGIES:
+    if _env_name(name) in FSDP1_STRATEGIES or (fsdp1 and _env_strategy(name) in FSDP1_STRATEGIES):
         return _env_strategy(name)
     if value.strip().lower() not in TRUE + FALSE:
         raise ConfigError(f"fsdp_reshard_after_forward must be true or false (FSDP2) or one of "
@@ -171,9 +171,10 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     # Under the recipe config's fsdp_version of the other engine (crossed), the accelerate config's setting is
     # applied in the chosen engine's terms (FULL_SHARD: true, SHARD_GRAD_OP: false), or replaced by the recipe
     # config's own, and the plan prints which.
+    env_version = env(_env_int, "FSDP_VERSION")
+    crossed = env_version not in (None, version)
     env_strategy = env(_env_strategy, "FSDP_SHARDING_STRATEGY")
-    env_reshard = env(_env_reshard, "FSDP_RESHARD_AFTER_FORWARD")
-    crossed = env(_env_int, "FSDP_VERSION") not in (None, version)
+    env_reshard = _env_reshard("FSDP_RESHARD_AFTER_FORWARD", fsdp1=env_version == 1) if use_env else None
     if version == 1:
         if cfg.fsdp_reshard_after_forward is not None:
             raise ConfigError("fsdp_reshard_after_forward is an FSDP2 setting: with fsdp_version 1 set "
@@ -276,11 +277,11 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     precision = pick("mixed_precision", cfg.mixed_precision, os.environ.get("ACCELERATE_MIXED_PRECISION"), "bf16")
     if precision not in PRECISIONS:  # the recipe config's parser takes only these: the value is accelerate's
         raise ConfigError(f"the accelerate config (or accelerate launch --mixed_precision) sets mixed_precision "
-                          f"{precision}, which these recipes do not run: set one of {', '.join(PRECISIONS)} there, or "
-                          f"mixed_precision in the recipe config, which wins")
+                          f"{precision}, which these recipes do not run: set bf16 or no there, or mixed_precision in "
+                          f"the recipe config ({', '.join(PRECISIONS)}), which wins")
 
     prefetch = env(_env_name, "FSDP_BACKWARD_PREFETCH")
-    if prefetch and version == 2 and env(_env_int, "FSDP_VERSION") == 1:
+    if prefetch and version == 2 and env_version == 1:
         # An FSDP1 accelerate config (each shipped one sets it) under the recipe config's fsdp_version 2.
         overrides.append(f"fsdp_backward_prefetch: accelerate config {prefetch!r} is an FSDP1 setting, not applied "
                          f"with fsdp_version 2 (FSDP2 always prefetches)")

@@ -119,10 +119,19 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
     plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
     assert (plan.sharding_strategy, plan.offload_params, plan.activation_checkpointing) == ("SHARD_GRAD_OP", True, True)
     assert (plan.cpu_ram_efficient_loading, plan.backward_prefetch) == (False, "BACKWARD_POST")
-    # Strategies by torch's number, as older `accelerate config` versions wrote them.
+    # Strategies by torch's number, as older `accelerate config` versions wrote them, under either key of an FSDP1
+    # config; an FSDP2 config's fsdp_reshard_after_forward reads 1 and 0 as true and false.
     for number, strategy in [("2", "SHARD_GRAD_OP"), ("3", "NO_SHARD")]:
         accelerate_env.setenv("FSDP_SHARDING_STRATEGY", number)
         assert plan_for("--gradient_sync", "last_micro_batch").sharding_strategy == strategy
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "2")
+    assert plan_for("--gradient_sync", "last_micro_batch").sharding_strategy == "SHARD_GRAD_OP"
+    accelerate_env.setenv("FSDP_VERSION", "2")
+    accelerate_env.delenv("FSDP_BACKWARD_PREFETCH")
+    for value, reshard in [("1", True), ("0", False)]:
+        accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+        assert plan_for().reshard_after_forward is reshard
 
 
 def test_fsdp1_offload_accumulates_with_one_reduction_per_step(accelerate_env):
@@ -162,8 +171,9 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}, [],
      "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], r"^the accelerate config \(or accelerate launch --mixed_precision\) "
-                                                 r"sets mixed_precision fp16, which these recipes do not run: set one "
-                                                 r"of bf16, no, pure_bf16 there, or mixed_precision in the recipe"),
+                                                 r"sets mixed_precision fp16, which these recipes do not run: set bf16 "
+                                                 r"or no there, or mixed_precision in the recipe config \(bf16, no, "
+                                                 r"pure_bf16\), which wins"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "100k"}, [],
      "^the accelerate config's fsdp_min_num_params must be a whole number, got '100k'"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1500.7"}, [], "got '1500.7'"),
