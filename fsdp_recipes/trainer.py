@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
-from .checkpoint import load_checkpoint, resolve_state_dict_type, save_checkpoint, training_data_identity
+from .checkpoint import (load_checkpoint, previous_run, resolve_state_dict_type, save_checkpoint,
+                         training_data_identity)
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX, build_dataloader, check_model_reads_data, model_inputs, optimizer_step_batches
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
@@ -142,6 +143,13 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end, and at the checkpoint's step if that evaluation is not in
     metrics.jsonl."""
+    if cfg.overwrite_output_dir and previous_run(cfg.output_dir):
+        # A recipe copied before checkpoint.remove_earlier_run existed: retention would mix the two runs' checkpoints.
+        raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds "
+                          f"{', '.join(previous_run(cfg.output_dir))} of the earlier run: the recipe must call "
+                          f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
+                          f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes "
+                          f"in recipes/")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")

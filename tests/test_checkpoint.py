@@ -41,7 +41,7 @@ from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
-from conftest import read_metrics, run, torchrun, write_tiny_model
+from conftest import REPO, read_metrics, run, torchrun, write_tiny_model
 from test_readme import readme_commands
 
 RECIPE = "recipes/llama_sft.py"
@@ -953,6 +953,23 @@ def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
     assert sorted(losses(out)) == [1, 2, 3, 4]
     assert validate_checkpoint(str(out / "checkpoint-4"))["world_size"] == 1
     assert json.loads((out / "final" / "config.json").read_text())["attention_dropout"] == 0.5
+
+
+def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, tmp_path):
+    # A recipe copied before remove_earlier_run existed: the earlier run's checkpoints would mix with the new ones.
+    source = (Path(REPO) / RECIPE).read_text()
+    call = "        remove_earlier_run(cfg)"
+    assert source.count(call) == 1
+    stale = tmp_path / "stale_sft.py"
+    stale.write_text("\n".join(line for line in source.splitlines() if not line.startswith(call)))
+    fake_checkpoint(tmp_path / "out" / "checkpoint-8")
+    proc = run([sys.executable, stale, *recipe_args(tiny, tmp_path / "out", "--overwrite_output_dir", "true")],
+               expect_rc=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: overwrite_output_dir true, but {tmp_path / 'out'} still holds checkpoint-8 of the earlier run: the "
+        f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
+        f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes in recipes/")
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-8"]
 
 
 def test_resume_with_dropout_gives_bit_equal_losses(dropout_run, tmp_path):
