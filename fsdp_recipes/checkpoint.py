@@ -5,8 +5,9 @@ A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
   "sharded"; in the "full" format the folder itself holds the fp32 weights as HF safetensors, written by rank 0.
 - `optimizer/`: the optimizer state (DCP, each rank its shards; DCP reloads it into any world size).
 - `rng/rank_<r>.pt`: the RNG states of every rank (tensors and numbers, read with weights_only=True).
-- `trainer_state.json`: step, epoch, LR scheduler, world size, format, the master weights' dtype, W&B run (id,
-  project, entity), the resolved config and the training data's identity (rows and a hash of its tokens).
+- `trainer_state.json`: step, epoch, LR scheduler, world size, format, the master weights' dtype, whether the
+  source's weights were in transformers' own layout (export.loaded_in_model_layout), W&B run (id, project,
+  entity), the resolved config and the training data's identity (rows and a hash of its tokens).
 - `config.json`, `generation_config.json`, tokenizer files (named chat templates in `additional_chat_templates/`),
   the source's processor files: what the converter needs to write an HF folder.
 
@@ -50,8 +51,8 @@ from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .distributed import long_wait_group, print_rank0, run_on_rank0
-from .export import (INDEX_NAME, fsync, gather_full_state_dict, replace_dir, tied_parameter_names,
-                     write_gathered_weights, write_model_files)
+from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
+                     tied_parameter_names, write_gathered_weights, write_model_files)
 from .metrics import saved_wandb_run
 from .plan import TRUE
 from .progress import print_line
@@ -614,7 +615,8 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
-                     "master_dtype": master_dtype(model), "scheduler": scheduler.state_dict(), **(wandb_run or {}),
+                     "master_dtype": master_dtype(model), "loaded_in_model_layout": loaded_in_model_layout(model),
+                     "scheduler": scheduler.state_dict(), **(wandb_run or {}),
                      "config": cfg.to_dict(), "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)

@@ -90,6 +90,8 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
         model = model_names = None
         if "auto_map" not in config:
             model = build_meta_model(AutoConfig.from_pretrained(checkpoint))
+            if state.get("loaded_in_model_layout"):  # as final/ keeps the layout of a source in transformers' own
+                model._weight_conversions = []
             layout = original_layout_of(model, shapes)
             shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor), layout.source
             stored = {name: stored[model_names[name]] for name in shapes}

@@ -296,6 +296,13 @@ class OriginalLayout:
         return load
 
 
+def loaded_in_model_layout(model: nn.Module) -> bool:
+    """Whether from_pretrained found the weights in transformers' own layout and converted none (as from a full
+    checkpoint of this project, whose tensors are the model's): the export then keeps that layout, and a checkpoint
+    records it for the converter, whose model built from the config would otherwise take transformers' defaults."""
+    return getattr(model.module if isinstance(model, FSDP) else model, "_weight_conversions", None) == []
+
+
 def original_layout_of(model: nn.Module, shapes: dict[str, torch.Size]) -> OriginalLayout:
     """transformers' reverse of the conversions it applies on load, planned on meta tensors one tensor at a time.
     A conversion that needs several tensors at once is not written converted: the model's own layout is kept."""

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
                           Gemma3ForConditionalGeneration, GPTNeoXConfig, get_scheduler)
 
@@ -151,6 +152,35 @@ def test_weights_kept_in_fp32_are_exported_and_converted_as_save_pretrained_writ
             continue
         buffers = dict(load_sharded_model(pure, resolve_plan(pure), torch.device("cpu")).named_buffers())
         assert all(torch.equal(buffers[name], value) for name, value in kept_buffers.items())
+
+
+def test_a_source_in_transformers_layout_is_exported_and_converted_in_it(tmp_path, one_process_group):
+    # A mixture of experts: the Hub holds per-expert matrices, transformers fuses them on load, and a full checkpoint
+    # of a run (a source to fine-tune further) holds the fused ones. final/ and the converter keep the source's layout.
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hub")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hub")
+    loaded.config.save_pretrained(tmp_path / "fused")
+    save_file({name: tensor.contiguous() for name, tensor in loaded.state_dict().items()},
+              str(tmp_path / "fused" / "model.safetensors"))
+    for source, experts in [("hub", "model.layers.0.mlp.experts.0.gate_proj.weight"),
+                            ("fused", "model.layers.0.mlp.experts.gate_up_proj")]:
+        tokenizer.save_pretrained(tmp_path / source)
+        names = set(safetensors_dtypes(tmp_path / source))
+        assert experts in names
+        cfg = parse_config(["--model_name_or_path", str(tmp_path / source), "--dataset_name", "x", "--output_dir",
+                            str(tmp_path / f"run_{source}"), "--mixed_precision", "no"])
+        model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+        save_hf_model(model, tokenizer, str(tmp_path / f"final_{source}"), torch.float32)
+        optimizer = build_optimizer(model, cfg)
+        checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
+                                     epoch=0, wandb_run=None)
+        convert(checkpoint, str(tmp_path / f"converted_{source}"), torch.float32)
+        for folder in [f"final_{source}", f"converted_{source}"]:
+            assert set(safetensors_dtypes(tmp_path / folder)) == names, folder
 
 
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
