@@ -53,6 +53,9 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     if os.path.commonpath([os.path.realpath(out_dir), os.path.realpath(checkpoint)]) == os.path.realpath(checkpoint):
         # The checkpoint's extra files are copied into the output: an output inside it would be copied into itself.
         raise CheckpointError(f"{out_dir} is inside the checkpoint {checkpoint}: choose an output folder outside it")
+    if os.path.islink(out_dir):  # the finished folder is renamed onto out_dir, which would fail at the very end
+        raise CheckpointError(f"{out_dir} is a symbolic link: give the folder it points to, "
+                              f"{os.path.realpath(out_dir)}, or a new output folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):

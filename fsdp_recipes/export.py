@@ -25,6 +25,7 @@ import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
@@ -166,6 +167,8 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
     # The model holds fp32 master weights; the folder records the dtype its files hold.
     config = copy.deepcopy(model.config)
     set_config_dtype(config, dtype)
+    # The class trained, as save_pretrained records it (vLLM picks its model class by this name); FSDP2 subclasses it.
+    config.architectures = [next(c for c in type(unwrapped).__mro__ if not issubclass(c, FSDPModule)).__name__]
     config.use_cache = True
     # config.json's own values of the settings the recipe config changed for training (model.load_model).
     config.update(getattr(unwrapped, "config_for_export", {}))

@@ -23,7 +23,8 @@ def load_exported_model(model_dir: str, attn_implementation: str, device: torch.
 def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, use_chat_template: bool,
                      device: torch.device, attn_implementation: str,
                      trust_remote_code: bool = False) -> list[dict]:
-    """Greedy answers of the model folder `model_dir` (see load_exported_model) to each prompt, one at a time.
+    """Greedy answers of the model folder `model_dir` (see load_exported_model) to each prompt, one at a time:
+    sampling off, the folder's other generation settings (a repetition_penalty) kept, as a server applies them.
 
     With use_chat_template each prompt is a user turn followed by the assistant's generation prompt, as chat and
     instruction data are trained; otherwise it is plain text after the BOS token, as prompt/completion data are.

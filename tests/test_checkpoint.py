@@ -546,6 +546,13 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "a_file").write_text("mine")
     with pytest.raises(CheckpointError, match="a_file already exists and is a file, not a folder"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match=f"link is a symbolic link: give the folder it points to, {tmp_path}/empty"):
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "link"))
+    assert os.listdir(tmp_path / "empty") == []
+    os.remove(tmp_path / "link")
+    os.rmdir(tmp_path / "empty")
     # The checkpoint's own files are copied into the output: one inside it would be copied into itself.
     before = snapshot(reference)
     with pytest.raises(CheckpointError) as error:

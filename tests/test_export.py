@@ -163,6 +163,7 @@ def test_a_source_in_transformers_layout_is_exported_and_converted_in_it(tmp_pat
                                   num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hub")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hub")
+    loaded.config.architectures = ["Qwen3MoeModel"]  # a mislabelled source: the folders name the class trained
     loaded.config.save_pretrained(tmp_path / "fused")
     save_file({name: tensor.contiguous() for name, tensor in loaded.state_dict().items()},
               str(tmp_path / "fused" / "model.safetensors"))
@@ -181,6 +182,8 @@ def test_a_source_in_transformers_layout_is_exported_and_converted_in_it(tmp_pat
         convert(checkpoint, str(tmp_path / f"converted_{source}"), torch.float32)
         for folder in [f"final_{source}", f"converted_{source}"]:
             assert set(safetensors_dtypes(tmp_path / folder)) == names, folder
+            config_json = json.loads((tmp_path / folder / "config.json").read_text())
+            assert config_json["architectures"] == ["Qwen3MoeForCausalLM"], folder
 
 
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
