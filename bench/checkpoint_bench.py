@@ -114,7 +114,7 @@ def main() -> None:
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes fresh checkpoints there")
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # the CPU's memory is measured
     _, _, import_anon_mb = measure([sys.executable, "-c", "import fsdp_recipes.convert"])
     print(f"load average {os.getloadavg()}; the converter's imports alone: {import_anon_mb:.0f} MB anonymous",
           flush=True)

@@ -8,6 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The suite runs on the CPU (gloo) even where there are GPUs, as in CI: its 2-process launches would otherwise put
+# both ranks on a node's GPUs, or fail on one GPU. bench/gpu_sharding_check.sh sets FSDP_RECIPES_GPU_TESTS=1 to run
+# the GPU tests on them. Set before torch first looks for a device, and inherited by every launched process.
+if os.environ.get("FSDP_RECIPES_GPU_TESTS") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 import torch.distributed as dist

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from conftest import read_metrics, run
 from fsdp_recipes.flops import peak_flops, training_flops_per_token
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/gpu_sharding_check.sh runs it on the GPUs")
 
 
 def test_cuda_peak_memory_and_mfu_are_logged(tiny, tmp_path):

@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO, read_metrics, run, torchrun
 from test_accelerate_configs import CONFIGS, CPU_CONFIGS, expected_plan
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bench/gpu_sharding_check.sh runs it on the GPUs")
 WORLD = torch.cuda.device_count()
 GPU_CONFIGS = [n for n in CONFIGS if n not in CPU_CONFIGS and n != "fsdp2_hsdp_multinode.yaml"]
 VARIANTS = {
