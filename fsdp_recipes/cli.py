@@ -8,7 +8,7 @@ import traceback
 from typing import Callable, NoReturn
 
 from .config import ConfigError
-from .distributed import exit_process
+from .distributed import FailedOnRank0, exit_process
 
 
 def run_main(main: Callable[[], None]) -> NoReturn:
@@ -19,6 +19,10 @@ def run_main(main: Callable[[], None]) -> NoReturn:
         sys.stderr.write(f"error: {error}\n")
         _finish_wandb(exit_code=2)
         exit_process(2)
+    except FailedOnRank0 as error:  # rank 0 prints the traceback
+        sys.stderr.write(f"error: {error}\n")
+        _finish_wandb(exit_code=1)
+        exit_process(1)
     except Exception:
         # Printed before anything that could block (a collective, destroying an NCCL group another rank is stuck in).
         traceback.print_exc()

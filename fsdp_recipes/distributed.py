@@ -89,6 +89,11 @@ def long_wait_group() -> dist.ProcessGroup:
     return _long_wait[1]
 
 
+class FailedOnRank0(Exception):
+    """Raised on the other ranks when rank 0's run_on_rank0 work failed with an error other than a ConfigError: rank
+    0 prints its traceback, they one line saying so, and every rank exits 1 (2 is a config error's)."""
+
+
 def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
     """Rank 0 runs `work` alone (a download, writing a large folder, generating) while the other ranks wait for it
     on the long_wait_group; returns its result on rank 0, None elsewhere.
@@ -99,18 +104,20 @@ def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
     group = long_wait_group()
-    failure: list[Optional[str]] = [None]
+    failure: list[Optional[tuple[bool, str]]] = [None]  # (a config error, its message)
     result = None
     if dist.get_rank() == 0:
         try:
             result = work()
         except Exception as error:
-            failure[0] = str(error) if isinstance(error, ConfigError) else f"rank 0 failed {what}: {error!r}"
+            config_error = isinstance(error, ConfigError)
+            failure[0] = (config_error, str(error) if config_error else f"rank 0 failed {what}: {error!r}")
             dist.broadcast_object_list(failure, src=0, group=group)
             raise
     dist.broadcast_object_list(failure, src=0, group=group)
     if failure[0] is not None:
-        raise ConfigError(failure[0])
+        config_error, message = failure[0]
+        raise ConfigError(message) if config_error else FailedOnRank0(message)
     return result
 
 

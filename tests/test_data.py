@@ -1169,8 +1169,14 @@ def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
     assert "rank 0: written by rank 0, past the training group's barrier" in proc.stdout, proc.stdout
     assert "rank 1: None by rank 0, past the training group's barrier" in proc.stdout, proc.stdout
     assert "rank 0: ZeroDivisionError: division by zero" in proc.stdout
-    assert "rank 1: ConfigError: rank 0 failed to divide: ZeroDivisionError('division by zero')" in proc.stdout
+    # Not a config error: rank 1 says where the failure was, and exits 1 as rank 0 does (cli.run_main), not 2.
+    assert "rank 1: FailedOnRank0: rank 0 failed to divide: ZeroDivisionError('division by zero')" in proc.stdout
     assert "rank 0: stopped when rank 1 died: " in proc.stdout  # not a day's wait for a rank that is gone
+    # Under a recipe's entry point: exit 1 on both ranks (2 is a config error's), rank 0 with its traceback.
+    proc = torchrun("tests/drivers/rank0_fails.py", expect_rc=1, timeout=120)
+    assert proc.stderr.count("ZeroDivisionError: division by zero") == 1
+    assert "error: rank 0 failed to divide: ZeroDivisionError('division by zero')" in proc.stderr
+    assert "exitcode  : 2" not in proc.stderr
 
 
 def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):

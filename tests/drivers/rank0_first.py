@@ -15,9 +15,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fsdp_recipes.config import ConfigError
 from fsdp_recipes.data import on_rank0_first
-from fsdp_recipes.distributed import exit_process, run_on_rank0
+from fsdp_recipes.distributed import FailedOnRank0, exit_process, run_on_rank0
 
 slow_seconds, timeout_seconds = float(sys.argv[1]), float(sys.argv[2])
 dist.init_process_group("gloo")  # the default timeout: the ranks start (import) at their own pace
@@ -31,7 +30,7 @@ dist.barrier(group=training)
 print(f"rank {rank}: {written} by rank 0, past the training group's barrier", flush=True)
 try:
     run_on_rank0(lambda: 1 / 0, "to divide")
-except (ZeroDivisionError, ConfigError) as error:
+except (ZeroDivisionError, FailedOnRank0) as error:
     print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
 try:
     on_rank0_first(lambda: exit_process(0) if rank == 1 else "built")
