@@ -233,13 +233,12 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     if env_replicate is not None:
         # A recipe dp_replicate_size replaces accelerate's: accelerate's dp_shard_size then no longer applies.
         _check_parallelism_config(None if cfg.dp_replicate_size is not None else replicate)
+    where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
     if version == 1 and replicate not in (None, 1) and strategy != "HYBRID_SHARD":
-        where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
         raise ConfigError(f"dp_replicate_size {replicate}{where} needs fsdp_sharding_strategy HYBRID_SHARD with "
                           f"fsdp_version 1")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # a plain `python recipe.py` is one process
     if replicate is not None and (replicate < 1 or world % replicate):
-        where = "" if cfg.dp_replicate_size is not None else " (the accelerate config's parallelism_config)"
         raise ConfigError(f"dp_replicate_size {replicate}{where} does not divide the {world} processes launched: "
                           f"set it to a divisor, such as the number of nodes")
 

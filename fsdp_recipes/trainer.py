@@ -143,10 +143,11 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end, and at the checkpoint's step if that evaluation is not in
     metrics.jsonl."""
-    if cfg.overwrite_output_dir and previous_run(cfg.output_dir):
+    left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
+    if left:
         # A recipe copied before checkpoint.remove_earlier_run existed: retention would mix the two runs' checkpoints.
-        raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds "
-                          f"{', '.join(previous_run(cfg.output_dir))} of the earlier run: the recipe must call "
+        raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
+                          f"earlier run: the recipe must call "
                           f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes "
                           f"in recipes/")
