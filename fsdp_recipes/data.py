@@ -198,6 +198,46 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
                     f"beyond; to extend its context, add rope scaling (e.g. YaRN) to its config.json")
 
 
+@torch.no_grad()
+def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
+    """With packing, refuse a model in which a packed example sees the examples before it in its row: not every
+    model reads example boundaries from position_ids (OPT and BioGPT build their own mask of ones, Bloom's and MPT's
+    ALiBi ignore positions, gpt-oss masks without them, Mamba and linear-attention layers carry state across).
+
+    Measured on this model, through the training forward (FSDP's: every rank takes part): the logits of a packed
+    second example must not change when the first example does. The scale is the change without packing (attention
+    crossing the boundary); rounding in kernels whose shape depends on the data (an MoE's tokens per expert) stays
+    far below it.
+    """
+    generator = torch.Generator().manual_seed(0)
+    n = 8  # tokens per example
+    first, other_first, second = (torch.randint(model.get_input_embeddings().num_embeddings, (n,),
+                                                generator=generator).tolist() for _ in range(3))
+    flatten = "flash" in cfg.attn_implementation  # as build_dataloader batches packed rows
+
+    def second_logits(first_example: list[int], packed: bool) -> torch.Tensor:
+        row = {"input_ids": first_example + second, "labels": first_example + second,
+               "position_ids": [*range(n), *range(n)]}
+        batch = collate([row] * cfg.per_device_train_batch_size, pad_token_id=0, flatten=packed and flatten)
+        inputs = model_inputs(batch) if packed else {"input_ids": batch["input_ids"]}
+        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits.float()
+        return logits.reshape(-1, 2 * n, logits.shape[-1])[:, n:]
+
+    model.eval()
+    change = torch.stack([(second_logits(other_first, packed) - second_logits(first, packed)).abs().max()
+                          for packed in (True, False)])
+    model.train()
+    dist.all_reduce(change, op=dist.ReduceOp.MAX)  # one decision on every rank
+    packed_change, crossing_change = change.tolist()
+    if packed_change > 0.1 * crossing_change or (packed_change > 0 and crossing_change == 0):
+        model_type = model.config.get_text_config().model_type
+        raise ConfigError(f"packing: in this {model_type} model a packed example sees the example before it in its "
+                          f"sequence (changing that example changes its logits by up to {packed_change:.3g}; "
+                          f"{crossing_change:.3g} with attention across the boundary): its attention does not "
+                          f"separate examples by position_ids, or its layers carry state across them. Set packing "
+                          f"false")
+
+
 def rotary_context(config) -> Optional[int]:
     """The context of a rotary model, its rope scaling included (YaRN's or dynamic NTK's factor over the original
     context); None for a model without rotary positions."""

@@ -14,6 +14,7 @@ of the transient buffers, the total, and the cheapest setting that fits.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from unittest import mock
@@ -27,7 +28,7 @@ from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
 from .config import ConfigError
-from .families import exact_attention
+from .families import check_causal_lm, exact_attention
 from .flops import build_meta_model
 from .plan import PRECISIONS
 from .sharding import MASTER_DTYPE, find_layer_classes
@@ -151,8 +152,9 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 def _fused_sdpa(query, key, value, attn_mask=None, **kwargs):
-    # No fused kernel takes grouped-query attention (enable_gqa) in fp32: flash and cuDNN need 16-bit, torch 2.11's
-    # memory-efficient kernel has no GQA. sdpa then runs its math path on the GPU too, keeping L x L scores.
+    # No fused kernel takes grouped-query attention (enable_gqa, given without a mask) in fp32: flash and cuDNN need
+    # 16-bit, torch 2.11's memory-efficient kernel has no GQA. sdpa then runs its math path on the GPU too, keeping
+    # L x L scores. With a mask, k and v come repeated to every query head, which the memory-efficient kernel takes.
     if kwargs.get("enable_gqa") and query.dtype == torch.float32:
         return _SDPA(query, key, value, attn_mask=attn_mask, **kwargs)
     return _FusedAttentionSaves.apply(query, key, value, attn_mask)
@@ -189,18 +191,26 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     """Run the model's own forward on the meta device (shapes only: no memory, no compute) for one micro-batch,
     and count the bytes of the distinct tensors autograd saves inside each decoder layer, parameters excluded.
     Whatever the architecture does (extra norms, soft-capping, routing to experts) is counted as it runs; for sdpa,
-    which runs its math path (L x L scores) on the meta device, what the GPU's fused kernel saves instead."""
+    which runs its math path (L x L scores) on the meta device, what the GPU's fused kernel saves instead.
+
+    Each layer's larger figure of two batches: a packed one (with a mask, sdpa takes k and v repeated to every query
+    head; a padded batch has a mask too), and one of rows that fill it (no mask: grouped-query attention as is)."""
     if attn_implementation in ("flash_attention_2", "flex_attention"):
         attn_implementation = MEASURED_FLASH_OR_FLEX
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
                                                  attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
-        input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
     _static_rotary_embeddings(model)
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
         raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
+    packed, full = (_saved_per_layer(model, batch, seq_len, packed) for packed in (True, False))
+    return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
+                            max(packed.layer_input, full.layer_input))
+
+
+def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, packed: bool) -> SavedActivations:
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
@@ -227,17 +237,22 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
             saved[running[-1]] += storage.nbytes()
         return tensor
 
+    with torch.device("meta"):
+        input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
+        # A packed batch's position_ids: rotary tables per row.
+        extra = {"position_ids": torch.zeros(batch, seq_len, dtype=torch.long)} if packed else {}
     handles = [h for i, layer in enumerate(layers)
                for h in (layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                          layer.register_forward_hook(leave))]
     try:
         # Without a KV cache, as in training (a cache would copy k and v: Phi-3's v would no longer keep its fused
-        # qkv output alive). transformers then looks for packed sequences in the positions, values the meta device
-        # lacks: these rows are one sequence each.
+        # qkv output alive). transformers then looks for the examples in the positions, values the meta device
+        # lacks: one example a row, with a packed batch's mask, or none found.
         with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
-              mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None),
+              mock.patch.object(masking_utils, "find_packed_sequence_indices",
+                                torch.zeros_like if packed else lambda position_ids: None),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
-            model(input_ids=input_ids, use_cache=False)
+            model(input_ids=input_ids, use_cache=False, **extra)
     finally:
         for handle in handles:
             handle.remove()
@@ -274,7 +289,10 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
         activations = sum(saved.per_layer)
     # The peak of the loss's backward: the logits in compute dtype, the fp32 log-softmax cross-entropy keeps, and
     # the fp32 gradients of nll_loss and of log_softmax (the fp32 copy of bf16 logits is freed after the forward).
-    logits = saved.tokens * model.config.get_text_config().vocab_size * (compute + 12)
+    # Final logit soft-capping (Gemma 2) keeps its tanh's output too, outside the decoder layers.
+    text_config = model.config.get_text_config()
+    softcapped = compute if getattr(text_config, "final_logit_softcapping", None) else 0
+    logits = saved.tokens * text_config.vocab_size * (compute + 12 + softcapped)
     return Estimate(params=state, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
                     activations=activations, logits=logits, offload=setting.offload)
 
@@ -369,8 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.gpu_memory <= 0:
-        raise ConfigError(f"--gpu_memory must be positive (GiB per GPU), got {args.gpu_memory:g}")
+    if not 0 < args.gpu_memory < math.inf:  # nan too
+        raise ConfigError(f"--gpu_memory must be a positive number (GiB per GPU), got {args.gpu_memory:g}")
     if args.num_gpus % args.num_nodes:
         raise ConfigError(f"--num_gpus {args.num_gpus} is not divisible by --num_nodes {args.num_nodes}: give the "
                           "GPUs of all nodes together, the same number on each node")
@@ -380,6 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = load_config(args.model, args.trust_remote_code)
+    check_causal_lm(config, f"--model {args.model}")
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "

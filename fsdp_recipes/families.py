@@ -37,6 +37,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(f"model_name_or_path: {e}") from e
+    check_causal_lm(config, cfg.model_name_or_path)
     part = part_that_loads(config)
     if part is not None:
         raise ConfigError(
@@ -71,6 +72,17 @@ def _recipe_advice(model_type: str, recipe: str) -> str:
                 "generic recipes/sft.py")
     return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
             f"`make new-recipe MODEL={model_type}`")
+
+
+def check_causal_lm(config, name: str) -> None:
+    """A model AutoModelForCausalLM builds: a model type transformers lists for it, or code of the checkpoint's own
+    that declares it (auto_map); not an encoder-decoder (T5) or a model type only other auto classes load."""
+    if type(config) in AutoModelForCausalLM._model_mapping or "AutoModelForCausalLM" in (
+            getattr(config, "auto_map", None) or {}):
+        return
+    raise ConfigError(f"{name} is a {config.model_type} model, which AutoModelForCausalLM does not load: train a "
+                      f"causal language model (a decoder-only model type transformers lists for "
+                      f"AutoModelForCausalLM), or a checkpoint whose own code declares one (trust_remote_code)")
 
 
 def part_that_loads(config) -> type | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
@@ -17,9 +19,22 @@ from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, sha
 
 
 def load_tokenizer(cfg: TrainConfig):
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.tokenizer_name_or_path or cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code
-    )
+    source = cfg.tokenizer_name_or_path or cfg.model_name_or_path
+    if source.startswith(("/", ".", "~")) and not os.path.isdir(source):
+        raise ConfigError(f"tokenizer_name_or_path {source}: no such folder")
+    save = (f"save the model's tokenizer in {source} (tokenizer.save_pretrained), or set tokenizer_name_or_path to "
+            f"the base model's")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot load a tokenizer from {source}: {' '.join(str(error).split())}; {save}") from error
+    # A folder without tokenizer files gives some model types (Qwen, GPT-2, Gemma) a tokenizer with no vocabulary,
+    # which would tokenize every example to nothing or to unknown tokens.
+    probe = tokenizer("Hello, world", add_special_tokens=False)["input_ids"]
+    if not probe or set(probe) == {tokenizer.unk_token_id}:
+        raise ConfigError(f"the tokenizer loaded from {source} has no vocabulary ({len(tokenizer)} tokens; 'Hello, "
+                          f"world' becomes {probe}): the folder lacks its files (tokenizer.json, or its tokenizer's "
+                          f"own); {save}")
     if tokenizer.pad_token is None:
         # Padding positions carry no loss and are masked out of attention, so any token will do.
         tokenizer.pad_token = tokenizer.eos_token

@@ -15,7 +15,8 @@ from transformers import get_scheduler
 from .checkpoint import (load_checkpoint, previous_run, resolve_state_dict_type, save_checkpoint,
                          training_data_identity)
 from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, build_dataloader, check_model_reads_data, model_inputs, optimizer_step_batches
+from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
+                   model_inputs, optimizer_step_batches)
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
 from .evaluation import eval_batches
@@ -152,6 +153,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes "
                           f"in recipes/")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
+    if cfg.packing:
+        check_packing_separates_examples(model, cfg, env.device)
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)

@@ -14,13 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, BioGptConfig, BloomConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, OPTConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3MoeConfig)
 
 from fsdp_recipes import data as data_module, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
-from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, check_model_reads_data, collate,
-                               model_inputs, optimizer_step_batches, pack_examples)
+from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, check_model_reads_data,
+                               check_packing_separates_examples, collate, model_inputs, optimizer_step_batches,
+                               pack_examples)
 from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
                                       turn_closing_token_id)
 from fsdp_recipes.data_sources import load_split
@@ -818,6 +820,38 @@ def test_packed_logits_equal_each_example_alone(tiny, attn):
     # The loss sums agree too: no label is predicted across a boundary.
     alone_loss = sum(token_loss_sum(a[None], torch.tensor([ex])) for a, ex in zip(alone, examples))
     assert abs(token_loss_sum(packed_logits, batch["labels"]) - alone_loss) < 1e-4
+
+
+SMALL = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+PACKING_MODELS = {
+    "llama": LlamaConfig(**SMALL, intermediate_size=128, num_key_value_heads=2),
+    # Tokens per expert depend on the first example: its rounding (1e-7 in fp32) must not read as a leak.
+    "qwen3_moe": Qwen3MoeConfig(**SMALL, intermediate_size=128, num_key_value_heads=2, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True),
+    "biogpt": BioGptConfig(**SMALL, intermediate_size=128),  # its mask is all ones: packing does not separate
+    "opt": OPTConfig(**SMALL, ffn_dim=128, word_embed_proj_dim=64),
+    "bloom": BloomConfig(vocab_size=300, hidden_size=64, n_layer=2, n_head=4),  # ALiBi: no positions
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", PACKING_MODELS)
+def test_packing_is_refused_for_a_model_whose_packed_examples_see_each_other(model_type, dtype):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(PACKING_MODELS[model_type], attn_implementation="eager", dtype=dtype)
+    model.config.use_cache = False  # as load_model does
+    config = TrainConfig(model_name_or_path="unused", dataset_name="unused", attn_implementation="eager",
+                         per_device_train_batch_size=2)
+    if model_type in ("llama", "qwen3_moe"):
+        check_packing_separates_examples(model, config, torch.device("cpu"))
+        assert model.training  # left as training found it
+        return
+    with pytest.raises(ConfigError, match=rf"^packing: in this {model_type} model a packed example sees the example "
+                                          r"before it in its sequence \(changing that example changes its logits by "
+                                          r"up to [0-9.e-]+; [0-9.e-]+ with attention across the boundary\): its "
+                                          r"attention does not separate examples by position_ids, or its layers "
+                                          r"carry state across them. Set packing false$"):
+        check_packing_separates_examples(model, config, torch.device("cpu"))
 
 
 # Building data sets from files: rank 0 builds first, which needs a process group; a real 1-process one.

@@ -13,7 +13,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4Config, Gemma4TextConfig,
-                          Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+                          Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig,
+                          T5Config)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
@@ -141,9 +142,11 @@ ARCHITECTURES = {
 }
 
 
-def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int, seq_len: int) -> list[int]:
-    """Run the real bf16 model on the CPU (its fused sdpa kernel, or eager) and add up the distinct storages
-    autograd saves while each decoder layer runs, parameters excluded."""
+def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int, seq_len: int, layout: str
+                                   ) -> list[int]:
+    """Run the real bf16 model on the CPU (its fused sdpa kernel, or eager) on a packed batch (two examples a row),
+    a padded one (the last row half padding) or a full one (no mask), and add up the distinct storages autograd
+    saves while each decoder layer runs, parameters excluded."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn_implementation)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -160,8 +163,14 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
             per_layer[running[0]] += tensor.untyped_storage().nbytes()
         return tensor
 
+    inputs = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq_len))}
+    if layout == "packed":
+        inputs["position_ids"] = torch.arange(seq_len // 2).repeat(batch, 2)
+    elif layout == "padded":
+        inputs["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long)
+        inputs["attention_mask"][-1, seq_len // 2:] = 0
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=torch.randint(0, config.vocab_size, (batch, seq_len)), use_cache=False)  # as in training
+        model(**inputs, use_cache=False)  # as in training
     return per_layer
 
 
@@ -169,7 +178,13 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
 def test_activations_measured_on_the_meta_device_equal_what_autograd_saves(name):
     config, attn_implementation = ARCHITECTURES[name]
     saved = measure_activations(config, "bf16", batch=2, seq_len=64, attn_implementation=attn_implementation)
-    assert list(saved.per_layer) == bytes_autograd_saves_per_layer(config, attn_implementation, 2, 64)
+    packed, padded, full = (bytes_autograd_saves_per_layer(config, attn_implementation, 2, 64, layout)
+                            for layout in ("packed", "padded", "full"))
+    assert list(saved.per_layer) == list(map(max, packed, full))  # the larger of the two batches measured
+    if attn_implementation == "sdpa":  # with the mask: k and v repeated, the mask's bias
+        assert all(p > f for p, f in zip(packed, full))
+    # A padded batch: without position_ids, one row's rotary tables serve every row (1.3% less here).
+    assert all(0 <= measured - real <= 0.02 * real for measured, real in zip(saved.per_layer, padded))
     assert saved.tokens == 128 and saved.layer_input == 128 * 64 * 2  # bf16 hidden states
 
 
@@ -190,7 +205,9 @@ def test_moe_activations_follow_the_expert_width_and_eager_attention_its_scores(
     # Eager attention keeps each head's fp32 softmax and its bf16 copy: 6 bytes per head per key, on top of sdpa's.
     llama = LlamaConfig(**SMALL)
     eager = per_token(llama, "eager", 128) - per_token(llama, "eager", 64)
-    assert eager == 4 * 64 * 6 and per_token(llama, "sdpa", 128) == per_token(llama, "sdpa", 64)
+    assert eager == 4 * 64 * 6
+    # sdpa keeps no scores, only the batch's mask as a bf16 bias (one for all heads): 2 bytes per key.
+    assert per_token(llama, "sdpa", 128) - per_token(llama, "sdpa", 64) == 64 * 2
 
 
 def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
@@ -199,16 +216,18 @@ def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
 
     llama, gemma2 = LlamaConfig(**SMALL), Gemma2Config(**SMALL)  # 4 query heads, 2 key/value heads
     for attn_implementation in ("flash_attention_2", "flex_attention"):
-        # In bf16 without a mask, sdpa runs a fused kernel with grouped-query attention too: the same tensors.
-        assert per_token(llama, attn_implementation) == per_token(llama, "sdpa")
+        # sdpa, given the batch's mask, takes k and v repeated to the 4 query heads (2 more heads x 16 x k and v,
+        # in bf16) and keeps the mask as a bf16 bias (2 bytes per key); the rest is the same.
+        assert per_token(llama, attn_implementation) == per_token(llama, "sdpa") - 2 * 16 * 2 * 2 - 64 * 2
         # Gemma 2 (soft-capping): no L x L scores, unlike its eager attention.
         assert per_token(gemma2, attn_implementation, seq_len=128) <= per_token(gemma2, attn_implementation)
     assert per_token(gemma2, "eager", seq_len=128) > per_token(gemma2, "eager")
-    # fp32 with grouped-query attention: no fused kernel takes it, sdpa's math path keeps one fp32 score per head
-    # and key; with as many key/value heads as query heads the memory-efficient kernel keeps none.
+    # fp32 with grouped-query attention, in a batch without a mask: no fused kernel takes it, sdpa's math path keeps
+    # one fp32 score per head and key; with as many key/value heads as query heads the memory-efficient kernel
+    # keeps none, and a masked batch's fp32 bias (4 bytes per key) is the larger.
     assert per_token(llama, "sdpa", "no", 128) - per_token(llama, "sdpa", "no", 64) == 4 * 64 * 4
     mha = LlamaConfig(**{**SMALL, "num_key_value_heads": 4})
-    assert per_token(mha, "sdpa", "no", 128) == per_token(mha, "sdpa", "no", 64)
+    assert per_token(mha, "sdpa", "no", 128) - per_token(mha, "sdpa", "no", 64) == 64 * 4
 
 
 class PeakBytes(TorchDispatchMode):
@@ -235,18 +254,22 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("softcapping", [None, 30.0])
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
-def test_logits_and_loss_are_the_peak_of_the_loss_backward(mixed_precision):
-    config = LlamaConfig(**SMALL)  # a vocabulary of 128
-    saved = measure_activations(config, mixed_precision, batch=2, seq_len=64, attn_implementation="sdpa")
+def test_logits_and_loss_are_the_peak_of_the_loss_backward(mixed_precision, softcapping):
+    config = Gemma2Config(**SMALL, final_logit_softcapping=softcapping)  # a vocabulary of 128
+    saved = measure_activations(config, mixed_precision, batch=2, seq_len=64, attn_implementation="eager")
     est = estimate(build_meta_model(config, MASTER_DTYPE[mixed_precision]), Setting("FULL_SHARD", False, False), 8,
                    1, mixed_precision, saved)
     # The trainer's loss on logits in the compute dtype: bf16 logits take 2 + 12 bytes each at the peak, fp32 ones
-    # (their own fp32 copy) 4 + 12.
-    assert est.logits == 2 * 64 * 128 * {"bf16": 14, "no": 16}[mixed_precision]
+    # (their own fp32 copy) 4 + 12; soft-capping keeps its tanh's output too.
+    c = COMPUTE_DTYPE[mixed_precision].itemsize
+    assert est.logits == 2 * 64 * 128 * (c + 12 + (c if softcapping else 0))
     logits = torch.randn(2, 64, 128, dtype=COMPUTE_DTYPE[mixed_precision], requires_grad=True)
-    with PeakBytes(logits) as peak:
-        token_loss_sum(logits, torch.randint(0, 128, (2, 64))).backward()
+    # Soft-capped: the model's output is the capped logits, and the lm_head's output is freed (nothing saves it).
+    with PeakBytes(*([] if softcapping else [logits])) as peak:
+        capped = torch.tanh(logits / softcapping) * softcapping if softcapping else logits  # as Gemma 2's forward
+        token_loss_sum(capped, torch.randint(0, 128, (2, 64))).backward()
     assert est.logits == pytest.approx(peak.bytes, rel=1e-2)  # the rest: the labels, 8 bytes per token
 
 
@@ -264,12 +287,12 @@ GEMMA4_MULTIMODAL = Gemma4Config(text_config=GEMMA4_TEXT, audio_config=None,
 def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys):
     saved = measure_activations(GEMMA4_MULTIMODAL, "bf16", batch=1, seq_len=64, attn_implementation="sdpa")
     assert saved == measure_activations(Gemma4TextConfig(**GEMMA4_TEXT), "bf16", 1, 64, "sdpa")
-    assert saved.per_layer == (370_562, 438_274) and saved.layer_input == 64 * 64 * 2
+    assert saved.per_layer == (370_562, 462_850) and saved.layer_input == 64 * 64 * 2
     model = build_meta_model(GEMMA4_MULTIMODAL, torch.float32)
     est = estimate(model, Setting("FULL_SHARD", True, False), 2, 1, "bf16", saved)
     # Checkpointed: the inputs of the 2 language model layers, and the larger one recomputed; the logits over the
     # language model's vocabulary of 1000.
-    assert est.activations == 2 * 64 * 64 * 2 + 438_274
+    assert est.activations == 2 * 64 * 64 * 2 + 462_850
     assert est.logits == 64 * 1000 * (2 + 12)
     main(["--model", str(write_config(tmp_path / "gemma4.json", GEMMA4_MULTIMODAL.to_dict())), "--num_gpus", "2",
           "--seq_len", "64", "--batch", "1", "--activation_checkpointing"])
@@ -364,6 +387,13 @@ def test_bad_input_is_one_clear_line(tmp_path):
         main(["--model", str(moe), "--num_gpus", "8", "--mixed_precision", "no"])
     assert str(error.value) == ("the activations are measured through transformers' grouped_mm experts, which take "
                                 "bf16 only: estimate qwen3_moe with --mixed_precision bf16 or pure_bf16")
+    t5 = write_config(tmp_path / "t5.json", T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64).to_dict())
+    with pytest.raises(ConfigError, match=f"^--model {t5} is a t5 model, which AutoModelForCausalLM does not load"):
+        main(["--model", str(t5), "--num_gpus", "8"])
+    for memory in ("nan", "inf", "0"):
+        with pytest.raises(ConfigError, match=f"^--gpu_memory must be a positive number \\(GiB per GPU\\), got "
+                                              f"{memory}$"):
+            parse_args(["--model", "x", "--num_gpus", "8", "--gpu_memory", memory])
     with pytest.raises(ConfigError, match="--num_gpus 6 is not divisible by --num_nodes 4"):
         parse_args(["--model", "x", "--num_gpus", "6", "--num_nodes", "4"])
     proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", "no/such/dir/config.json",

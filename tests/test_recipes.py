@@ -27,7 +27,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
-from fsdp_recipes.model import load_model
+from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import forward_backward
@@ -324,10 +324,37 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
                                           r"Llama4ForCausalLM part alone: .* \(model_type llama4_text\)"):
         check(tmp_path / "llama4", "sft.py", None)
+    # An encoder-decoder: one line before anything loads, not AutoModelForCausalLM's traceback after the data.
+    AutoConfig.for_model("t5", d_model=32, num_layers=1, num_heads=2, d_ff=64).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/t5 is a t5 model, which AutoModelForCausalLM does not load: "
+                                          r"train a causal language model .*\(trust_remote_code\)$"):
+        check(tmp_path / "t5", "sft.py", None)
     # A folder without config.json (a run's output_dir rather than its final/): one line, not a traceback.
     (tmp_path / "run").mkdir()
     with pytest.raises(ConfigError, match=f"model_name_or_path: .*{tmp_path}/run"):
         check(tmp_path / "run", "sft.py", None)
+
+
+def test_a_model_folder_without_its_tokenizer_is_refused_with_what_to_do(tmp_path):
+    def load(model_dir, tokenizer=None):
+        return load_tokenizer(parse_config(["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
+                                           + (["--tokenizer_name_or_path", str(tokenizer)] if tokenizer else [])))
+
+    save = r"save the model's tokenizer in .* \(tokenizer.save_pretrained\), or set tokenizer_name_or_path"
+    # Qwen's and Gemma's tokenizer classes load from a folder without their files, with no vocabulary.
+    for model_type, probe in [("qwen2", r"\[\]"), ("gemma2", r"\[3\]")]:
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        with pytest.raises(ConfigError, match=f"^the tokenizer loaded from {tmp_path}/{model_type} has no vocabulary "
+                                              rf"\(\d+ tokens; 'Hello, world' becomes {probe}\): the folder lacks its "
+                                              rf"files .*; {save} to the base model's$"):
+            load(tmp_path / model_type)
+    AutoConfig.for_model("mistral").save_pretrained(tmp_path / "mistral")  # its class cannot load without files
+    with pytest.raises(ConfigError, match=f"^cannot load a tokenizer from {tmp_path}/mistral: .*; {save}"):
+        load(tmp_path / "mistral")
+    with pytest.raises(ConfigError, match=f"^tokenizer_name_or_path {tmp_path}/none: no such folder$"):
+        load(tmp_path / "qwen2", tmp_path / "none")
+    TOKENIZER.save_pretrained(tmp_path / "tokenizer")
+    assert len(load(tmp_path / "qwen2", tmp_path / "tokenizer")) == len(TOKENIZER)
 
 
 class Block(nn.Module):
@@ -388,6 +415,11 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
     run([*shlex.split(command), f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
     assert "MODEL_TYPES = {\"olmo2\": None}" in (tmp_path / "recipes" / "olmo2_sft.py").read_text()
     assert (tmp_path / "recipes" / "configs" / "olmo2_sft.yaml").is_file()
+    # BioGPT's attention does not read example boundaries from position_ids: packing is refused before training.
+    packed = run([sys.executable, "recipes/sft.py", "--config", "recipes/configs/sft.yaml", "--model_name_or_path",
+                  model_dir, "--dataset_name", data, "--packing", "true", "--max_seq_length", "64", "--max_steps", "1",
+                  "--output_dir", tmp_path / "packed"], expect_rc=2)
+    assert "error: packing: in this biogpt model a packed example sees the example before it" in packed.stderr
     result = train_and_check_export(REPO / "recipes" / "sft.py", "recipes/configs/sft.yaml", model_dir, data, tmp_path)
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
