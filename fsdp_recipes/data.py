@@ -32,14 +32,15 @@ DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_byt
                                          for name in ("data.py", "data_formats.py", "data_sources.py"))).hexdigest()
 
 
-def _tokenize_row(example: dict, row: int, data_code: str, **kwargs) -> dict:
-    # map(with_indices=True) passes the row number as the second positional argument; data_code only keys the cache.
-    return tokenize_example(example, row=row, **kwargs)
+def _tokenize_row(example: dict, index: int, data_code: str, **kwargs) -> dict:
+    # map(with_indices=True) passes the row's index as the second positional argument; data_code only keys the cache.
+    return tokenize_example(example, row=index + 1, **kwargs)
 
 
-def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what: str) -> datasets.Dataset:
+def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> datasets.Dataset:
     """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts."""
     try:
+        fmt = detect_format(raw.column_names, cfg.dataset_format)
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
@@ -48,16 +49,21 @@ def _tokenize(raw: datasets.Dataset, fmt: str, tokenizer, cfg: TrainConfig, what
     except ConfigError as error:
         raise ConfigError(f"{what}: {error}") from None
     overlong = sum(tokenized["overlong"])
+    reasoning_left_out = sum(tokenized["reasoning_left_out"])
     drop_overlong = cfg.overlong_examples == "drop"
     # The first token is never predicted, so a label there alone teaches nothing.
     kept = tokenized.filter(
         lambda labels, long: not (drop_overlong and long) and any(l != IGNORE_INDEX for l in labels[1:]),
         input_columns=["labels", "overlong"], desc=f"Filtering {what}",
-    ).remove_columns("overlong")
+    ).remove_columns(["overlong", "reasoning_left_out"])
     no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
     print_rank0(f"data: {what}: {len(raw)} examples ({fmt}), {overlong} longer than max_seq_length="
                 f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
                 f"having no label tokens, {len(kept)} kept")
+    if reasoning_left_out:
+        print_rank0(f"warning: {what}: the chat template leaves out the reasoning_content of {reasoning_left_out} "
+                    f"assistant messages, which are trained without it; to train on reasoning, use a "
+                    f"tokenizer_name_or_path whose chat template writes it (Qwen3's, into the last turn)")
     if len(kept) == 0:
         roles = sorted({m.get("role") for messages in raw["messages"] for m in messages}) if fmt == "chat" else []
         if cfg.completion_only_loss and roles and "assistant" not in roles:  # ShareGPT's human and gpt, say
@@ -132,12 +138,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         train_parts, eval_parts = [], []
         for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
                                                                            sources):
-            fmt = detect_format(raw_train.column_names, cfg.dataset_format)
-            # Tokenized before the eval carve so that an error names the row of the file.
-            train = _tokenize(raw_train, fmt, tokenizer, cfg, f"{name} [{split}]")
+            # Tokenized before the eval carve so that an error names the row of the split.
+            train = _tokenize(raw_train, tokenizer, cfg, f"{name} [{split}]")
             if raw_eval is not None:
-                eval_parts.append(_tokenize(raw_eval, detect_format(raw_eval.column_names, cfg.dataset_format),
-                                            tokenizer, cfg, f"{name} [{eval_split}]"))
+                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, f"{name} [{eval_split}]"))
             elif cfg.eval_fraction > 0:
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)

@@ -282,11 +282,12 @@ def turn_closing_token_id(tokenizer) -> Optional[int]:
 
 
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,
-                     row: int = 0) -> dict:
-    """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `overlong` if it was cut.
+                     row: int = 1) -> dict:
+    """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `overlong` if it was cut;
+    `reasoning_left_out`: how many assistant messages' reasoning_content the chat template does not write.
 
     With completion_only_loss, loss is on assistant turns and completions (on every token of plain text);
-    without it, on every token.
+    without it, on every token. `row`, the example's number in its split counting from 1, names it in errors.
     """
     if fmt == "chat":
         check_messages(example["messages"], row)
@@ -314,5 +315,10 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
         else IGNORE_INDEX
         for token, (char_start, char_end) in zip(input_ids, encoded["offset_mapping"])
     ]
+    # Reasoning the template does not write (Llama's, Qwen2.5's; Qwen3's before the last user message) is trained
+    # without: counted, so that the run says so.
+    reasoning = [(m.get("reasoning_content") or "").strip() for m in example.get("messages") or []
+                 if m.get("role") == "assistant"] if fmt == "chat" else []
     return {"input_ids": input_ids[:max_seq_length], "labels": labels[:max_seq_length],
-            "overlong": len(input_ids) > max_seq_length}
+            "overlong": len(input_ids) > max_seq_length,
+            "reasoning_left_out": sum(1 for r in reasoning if r and r not in text)}

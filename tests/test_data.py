@@ -428,6 +428,9 @@ def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
         out = tokenize_example(chat, "chat", tokenizer, 256, completion_only_loss=False)
         assert tokenizer.decode(out["input_ids"]) == tokenizer.apply_chat_template(chat["messages"], tokenize=False)
         assert out["labels"][1:] == out["input_ids"][1:]
+    # Reasoning the template writes is not counted as left out; an earlier turn's, trained as written, is.
+    assert tokenize_example({"messages": separate["messages"][:2]}, "chat", tokenizer, 256)["reasoning_left_out"] == 0
+    assert tokenize_example(separate, "chat", tokenizer, 256, completion_only_loss=False)["reasoning_left_out"] == 1
     # An earlier answer of newlines only: no tail of its turn holds more than a newline, so it is not located.
     blank = {"messages": [reasoning["messages"][0], {"role": "assistant", "content": "\n\n\n"},
                           *reasoning["messages"][2:]]}
@@ -674,14 +677,14 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
                                 None, "</s>", ["</s>"])
     for tokenizer, message in [(TOKENIZER, "the tool calls of message 1"), (calls_only, "the row's tools")]:
         demo.write_jsonl(tmp_path / "tools.jsonl", [CHAT, TOOL_CHAT])
-        with pytest.raises(ConfigError, match=rf"tools.jsonl \[train\]: row 1: the tokenizer's chat template leaves "
+        with pytest.raises(ConfigError, match=rf"tools.jsonl \[train\]: row 2: the tokenizer's chat template leaves "
                                               rf"{message} out of the conversation: use a tokenizer_name_or_path whose "
                                               "chat template writes tools and tool calls"):
             build_datasets(cfg(tmp_path / "tools.jsonl"), tokenizer)
     messages = TOOL_CHAT["messages"]
     # Dropped calls are found by their names, which may stand elsewhere in the conversation too.
     mentioned = {"messages": [{"role": "system", "content": "call get_weather"}, *messages]}
-    with pytest.raises(ConfigError, match=r"^row 0: the tokenizer's chat template leaves the tool calls of message 2 "
+    with pytest.raises(ConfigError, match=r"^row 1: the tokenizer's chat template leaves the tool calls of message 2 "
                                           r"out of the conversation"):
         tokenize_example(mentioned, "chat", char_tokenizer(DEFAULT_CHAT_TEMPLATE, None, "</s>", ["</s>"]), 1024)
     # Llama 3's template drops the text beside a call, and Phi-3.5's drops tool messages.
@@ -694,21 +697,21 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
                             r"tool calls"),
             (phi, TOOL_CHAT, r"message 2 \(tool\) out of the conversation: use a tokenizer_name_or_path whose chat "
                              r"template writes tool messages")]:
-        with pytest.raises(ConfigError, match=r"^row 0: the tokenizer's chat template leaves " + error):
+        with pytest.raises(ConfigError, match=r"^row 1: the tokenizer's chat template leaves " + error):
             tokenize_example(row, "chat", tokenizer, 1024)
     for row, error in [
         ({"messages": [{**messages[0], "tool_calls": [CALL]}] + messages[1:]},
-         r"row 0: message 0: 'tool_calls' must be a list of calls \(\{function: \{name, arguments\}\}\) of an "
+         r"row 1: message 0: 'tool_calls' must be a list of calls \(\{function: \{name, arguments\}\}\) of an "
          r"assistant message"),
         ({"messages": [messages[0], {**messages[1], "tool_calls": [{"function": {"arguments": {}}}]}]},
-         r"row 0: message 1: 'tool_calls' must be a list of calls"),
-        ({**TOOL_CHAT, "tools": "get_weather"}, r"row 0: 'tools' must be a list of function definitions"),
-        ({"prompt": "a", "completion": "b", "tools": TOOLS}, r"row 0: a 'tools' column is read with chat data \(a "
+         r"row 1: message 1: 'tool_calls' must be a list of calls"),
+        ({**TOOL_CHAT, "tools": "get_weather"}, r"row 1: 'tools' must be a list of function definitions"),
+        ({"prompt": "a", "completion": "b", "tools": TOOLS}, r"row 1: a 'tools' column is read with chat data \(a "
                                                              r"'messages' column\) only, and this data set is read as "
                                                              r"prompt_completion"),
         ({"messages": [messages[0], {**messages[1], "tool_calls": [
             {"function": {"name": "get_weather", "arguments": "city=Paris"}}]}]},
-         r"row 0: message 1: the arguments of tool call 'get_weather' are a string that is not JSON \(Expecting "
+         r"row 1: message 1: the arguments of tool call 'get_weather' are a string that is not JSON \(Expecting "
          r"value\): give them as an object, or as a JSON string of one"),
     ]:
         with pytest.raises(ConfigError, match=error):
@@ -860,6 +863,19 @@ def one_process_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_reasoning_a_template_does_not_write_is_counted_and_reported(tmp_path, capsys):
+    rows = [{"messages": [{"role": "user", "content": f"ab{i}"},
+                          {"role": "assistant", "content": f"{i}ba", "reasoning_content": "swap" if i % 3 else None}]}
+            for i in range(9)]
+    demo.write_jsonl(tmp_path / "r.jsonl", rows)
+    train, _ = build_datasets(cfg(tmp_path / "r.jsonl"), TOKENIZER)  # its template writes no reasoning
+    assert set(train.column_names) == {"input_ids", "labels"}
+    assert ("warning: " + str(tmp_path / "r.jsonl") + " [train]: the chat template leaves out the reasoning_content "
+            "of 6 assistant messages, which are trained without it; to train on reasoning, use a "
+            "tokenizer_name_or_path whose chat template writes it (Qwen3's, into the last turn)\n"
+            ) in capsys.readouterr().out
 
 
 def cfg(dataset_name, **kw) -> TrainConfig:
@@ -1066,9 +1082,10 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, line 3: 3 fields, the header has 2"),
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
-        (cfg(tmp_path / "cols.jsonl"), r"found the columns \['question', 'answer'\]; expected chat: messages"),
-        (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 1: message 0 needs a string 'role' and a string"),
-        (cfg(tmp_path / "nolist.jsonl"), r"row 0: 'messages' must be a non-empty list"),
+        (cfg(tmp_path / "cols.jsonl"), r"cols.jsonl \[train\]: cannot read the data as any format: found the columns "
+                                       r"\['question', 'answer'\]; expected chat: messages"),
+        (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 2: message 0 needs a string 'role' and a string"),
+        (cfg(tmp_path / "nolist.jsonl"), r"row 1: 'messages' must be a non-empty list"),
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
         (cfg(tmp_path / "sharegpt.jsonl"), r"sharegpt.jsonl \[train\]: no message has the role assistant \(the roles "
                                            r"are gpt, human\), and the loss is on assistant turns: name the model's "
@@ -1139,11 +1156,11 @@ def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
     tokenizer.chat_template = GEMMA2_TEMPLATE
     system = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
     demo.write_jsonl(tmp_path / "chats.jsonl", [CHAT, system])
-    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template refuses this "
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2: the tokenizer's chat template refuses this "
                                           r"conversation: System role not supported$"):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
     tokenizer.chat_template = MISTRAL_NEMO_TEMPLATE
-    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 1: the tokenizer's chat template leaves "
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2: the tokenizer's chat template leaves "
                                           r"message 0 \(system\) out of the conversation"):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
 
@@ -1218,7 +1235,7 @@ def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
     proc = torchrun("recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
                     tmp_path / "msgs.jsonl", "--output_dir", tmp_path / "out", expect_rc=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 2: message 0 needs a string 'role' and a string "
+    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 3: message 0 needs a string 'role' and a string "
                       "'content' (which an assistant message with tool_calls may leave out), got "
                       "{'role': 'user'}"] * 2, proc.stderr
     assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
