@@ -522,6 +522,10 @@ def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, 
     """
     saved, current = state["config"], cfg.to_dict()
     keys = [k for k in _RESUME_KEYS if k in saved]  # a checkpoint from an older version may lack a newer key
+    if "train_data" in state:
+        # The data themselves are compared (training_data_differences): the same file under another spelling
+        # (./data.jsonl, an absolute path, another working directory) or a copy resumes.
+        keys.remove("dataset_name")
     differ = [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in keys if saved[k] != current[k]]
     saved_batch, saved_layout = _global_batch(saved, state["world_size"])
     batch, layout = _global_batch(current, world_size)

@@ -41,6 +41,12 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> 
     """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts."""
     try:
         fmt = detect_format(raw.column_names, cfg.dataset_format)
+        if fmt in ("chat", "instruction") and tokenizer.chat_template is None:
+            # Only for data that goes through a chat template: a front end would send chats to a model saved with
+            # one, in a layout that prompt/completion or text training never taught it.
+            print_rank0("data: the tokenizer has no chat template; using the default (the tokenizer's BOS, then "
+                        "ChatML layout with its EOS), saved with the model")
+            tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
@@ -118,15 +124,14 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     Rank 0 builds first and fills the datasets cache; the other ranks then read it (see on_rank0_first).
     """
     names = [os.path.expanduser(n.strip()) for n in cfg.dataset_name.split(",")]
+    if not all(names):
+        raise ConfigError(f"dataset_name {cfg.dataset_name!r} has an empty entry: name the data sets separated by "
+                          f"single commas")
     weights = parse_weights(cfg.dataset_weights) if cfg.dataset_weights else [1.0] * len(names)
     if len(weights) != len(names):
         raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")
     if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
         raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
-    if tokenizer.chat_template is None:
-        print_rank0("data: the tokenizer has no chat template; using the default (the tokenizer's BOS, then ChatML "
-                    "layout with its EOS), saved with the model")
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
 
     config_names = per_source(cfg.dataset_config_name, names, "dataset_config_name")
     splits = per_source(cfg.dataset_split, names, "dataset_split")
@@ -160,6 +165,11 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         return train, eval_set
 
     train, eval_set = on_rank0_first(build)
+    if cfg.generation_prompts and cfg.generation_use_chat_template and tokenizer.chat_template is None:
+        # Found now, not when the samples are generated after training.
+        raise ConfigError("generation_prompts go through the tokenizer's chat template (generation_use_chat_template "
+                          "true), and it has none: the data have no chat or instruction set to give it the default "
+                          "one; set generation_use_chat_template false to send the prompts as plain text")
     print_rank0(f"data: train {len(train)} {'sequences' if cfg.packing else 'examples'}"
                 + (f", eval {len(eval_set)} examples" if eval_set is not None else ", no eval split"))
     return train, eval_set

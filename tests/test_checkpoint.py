@@ -816,6 +816,10 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         tiny, "--resume_from_checkpoint", checkpoint, "--gradient_accumulation_steps", "4", "--logging_steps", "3",
         "--save_steps", "5", "--output_dir", "elsewhere", "--report_to", "wandb", "--max_steps", "8")
     assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    # The same data file under another spelling: its tokens are compared, not its name.
+    respelled = dataclasses.replace(cfg, dataset_name=os.path.relpath(cfg.dataset_name))
+    assert respelled.dataset_name != cfg.dataset_name
+    assert resolve_resume(respelled, model, tokenizer, data) == str(checkpoint)
     changed = dataclasses.replace(cfg, learning_rate=2e-2, weight_decay=0.0, seed=1, packing=True,
                                   gradient_accumulation_steps=2)
     with pytest.raises(CheckpointError) as error:

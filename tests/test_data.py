@@ -878,6 +878,27 @@ def test_reasoning_a_template_does_not_write_is_counted_and_reported(tmp_path, c
             ) in capsys.readouterr().out
 
 
+def test_the_default_chat_template_is_given_for_chat_data_only(tmp_path, capsys):
+    demo.write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 4)
+    demo.write_jsonl(tmp_path / "pc.jsonl", ROWS)
+    for data, expected in [("chat.jsonl", DEFAULT_CHAT_TEMPLATE), ("pc.jsonl", None),
+                           ("pc.jsonl,chat.jsonl", DEFAULT_CHAT_TEMPLATE)]:
+        tokenizer = demo.build_tokenizer()
+        tokenizer.chat_template = None
+        build_datasets(cfg(",".join(str(tmp_path / name) for name in data.split(","))), tokenizer)
+        assert tokenizer.chat_template == expected
+        assert ("data: the tokenizer has no chat template; using the default" in capsys.readouterr().out) == bool(
+            expected)
+    # Samples through a chat template the run does not have: refused at start, not after training.
+    tokenizer.chat_template = None
+    with pytest.raises(ConfigError, match=r"^generation_prompts go through the tokenizer's chat template "
+                                          r"\(generation_use_chat_template true\), and it has none: .*; set "
+                                          r"generation_use_chat_template false to send the prompts as plain text$"):
+        build_datasets(cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"]), tokenizer)
+    build_datasets(cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"], generation_use_chat_template=False),
+                   tokenizer)
+
+
 def cfg(dataset_name, **kw) -> TrainConfig:
     return TrainConfig(model_name_or_path="unused", dataset_name=str(dataset_name), **{"max_seq_length": 64, **kw})
 
@@ -1081,6 +1102,8 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
         (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, line 3: 3 fields, the header has 2"),
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
+        (cfg(f"{tmp_path}/ok.jsonl,"), r"^dataset_name '.*/ok.jsonl,' has an empty entry: name the data sets "
+                                       r"separated by single commas$"),
         (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"cols.jsonl \[train\]: cannot read the data as any format: found the columns "
                                        r"\['question', 'answer'\]; expected chat: messages"),
