@@ -112,7 +112,8 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
         else:
             shutil.copy(path, out_dir)
     set_config_dtype_in_json(config, str(dtype).removeprefix("torch."))
-    config["use_cache"] = True
+    for part in (config, config.get("text_config") or {}):  # as export.write_model_files: a multimodal model's too
+        part["use_cache"] = True
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 

@@ -35,6 +35,7 @@ from transformers.utils import cached_file
 from .config import shard_size_in_bytes
 from .data_formats import turn_closing_token_id
 from .distributed import run_on_rank0
+from .model import set_use_cache
 from .sharding import compute_device, kept_in_fp32, state_dict_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -169,7 +170,7 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
     set_config_dtype(config, dtype)
     # The class trained, as save_pretrained records it (vLLM picks its model class by this name); FSDP2 subclasses it.
     config.architectures = [next(c for c in type(unwrapped).__mro__ if not issubclass(c, FSDPModule)).__name__]
-    config.use_cache = True
+    set_use_cache(config, True)
     # config.json's own values of the settings the recipe config changed for training (model.load_model).
     config.update(getattr(unwrapped, "config_for_export", {}))
     config.save_pretrained(out_dir)  # with the config's own code, if any

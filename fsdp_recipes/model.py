@@ -83,9 +83,16 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrain
         trust_remote_code=cfg.trust_remote_code,
         **overrides,
     )
-    model.config.use_cache = False  # the KV cache only costs memory in training
+    set_use_cache(model.config, False)  # the KV cache only costs memory in training
     model.config_for_export = saved_values  # see export.write_model_files
     return model
+
+
+def set_use_cache(config, use_cache: bool) -> None:
+    """On the config and on its language model's (a multimodal model's reads its own: with a cache left on, an
+    activation-checkpointed layer recomputed in backward appends to it a second time and attention fails)."""
+    config.use_cache = use_cache
+    config.get_text_config().use_cache = use_cache
 
 
 def checkpoint_generation_config(path: str) -> GenerationConfig:
@@ -115,7 +122,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
         )
-    model.config.use_cache = False  # as load_model: after the generation config was derived from it
+    set_use_cache(model.config, False)  # as load_model: after the generation config was derived from it
     model.config_for_export = saved_values
     if model.can_generate():
         model.generation_config = checkpoint_generation_config(cfg.model_name_or_path)

@@ -16,9 +16,9 @@ import yaml
 from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3TextConfig,
-                          Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM, VaultGemmaConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3Config,
+                          Gemma3TextConfig, Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, SiglipVisionConfig, VaultGemmaConfig)
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from test_readme import readme_commands
@@ -424,6 +424,27 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
     assert ("wrapping: BioGptForCausalLM declares no _no_split_modules; wrapping its decoder layers, "
             "biogpt.layers: 2 x BioGptDecoderLayer") in result["stdout"]
     assert "wrapped: 2 x BioGptDecoderLayer, then the root" in result["stdout"]
+
+
+def test_a_multimodal_gemma3_trains_with_activation_checkpointing_and_exports_with_its_cache_on(data, tmp_path):
+    """Gemma 3 4B-27B load whole (vision tower and language model): the language model reads use_cache from its own
+    text_config, whose KV cache a checkpointed layer recomputed in backward would append to a second time."""
+    text = Gemma3TextConfig(**{**TINY, "vocab_size": len(TOKENIZER) + 4}, sliding_window=WINDOW)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=len(TOKENIZER) + 1, boi_token_index=len(TOKENIZER) + 2,
+                          eoi_token_index=len(TOKENIZER) + 3)
+    model_dir = write_model(tmp_path / "model", config)
+    run([sys.executable, "recipes/sft.py", "--config", "recipes/configs/sft.yaml", "--model_name_or_path", model_dir,
+         "--dataset_name", data, "--output_dir", tmp_path / "run", "--max_steps", "2", "--save_steps", "2",
+         "--per_device_train_batch_size", "2", "--max_seq_length", "64", "--fsdp_activation_checkpointing", "true",
+         "--save_state_dict_type", "sharded"])
+    run([sys.executable, "-m", "fsdp_recipes.convert", tmp_path / "run" / "checkpoint-2", tmp_path / "converted"])
+    for folder in (tmp_path / "run" / "final", tmp_path / "converted"):
+        saved = json.loads((folder / "config.json").read_text())
+        assert (saved["use_cache"], saved["text_config"]["use_cache"]) == (True, True)  # for generation
+        assert type(AutoModelForCausalLM.from_pretrained(folder)).__name__ == "Gemma3ForConditionalGeneration"
 
 
 def test_fsdp1_rank0_loading_keeps_the_checkpoints_buffers(data, tmp_path):
