@@ -192,29 +192,34 @@ def size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> l
 def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module]) -> None:
     """Each FSDP unit shards its own parameters: a tied parameter (embedding and lm_head) whose modules fall in two
     units would be sharded twice. FSDP2 on torch 2.11 then silently unties it; torch 2.13 and FSDP1 fail with an
-    unreadable error. Refuse it with the classes to leave out of fsdp_transformer_layer_cls_to_wrap."""
-    unit_ids = {id(unit) for unit in units}
+    unreadable error. Refuse it with the value of fsdp_transformer_layer_cls_to_wrap that leaves those units out
+    (the classes may have come from the model's _no_split_modules, the key's default)."""
+    unit_classes = {id(unit): type(getattr(unit, "_checkpoint_wrapped_module", unit)) for unit in units}
     owners: dict[int, dict[str, type]] = {}  # tied parameter -> {name of the unit that holds it: its class}
     tied = tied_parameter_ids(model)
 
-    def visit(module: nn.Module, name: str, unit_name: str) -> None:
-        unit_name = name if id(module) in unit_ids else unit_name
+    def visit(module: nn.Module, name: str, unit_name: str, unit_class: type | None) -> None:
+        if id(module) in unit_classes:
+            unit_name, unit_class = name, unit_classes[id(module)]
         for param in module.parameters(recurse=False):
             if id(param) in tied:
-                owners.setdefault(id(param), {})[unit_name] = type(module)
+                owners.setdefault(id(param), {})[unit_name] = unit_class
         for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, unit_name)
+            visit(child, f"{name}.{child_name}" if name else child_name, unit_name, unit_class)
 
-    visit(model, "", "")
+    visit(model, "", "", None)
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
     for param_id, holders in owners.items():
         if len(holders) > 1:
             wrapped = sorted({cls.__name__ for unit, cls in holders.items() if unit})
+            others = sorted({cls.__name__ for cls in unit_classes.values()} - set(wrapped))
+            fix = (f"set fsdp_transformer_layer_cls_to_wrap {','.join(others)}" if others else
+                   "set fsdp_auto_wrap_policy SIZE_BASED_WRAP, which keeps tied modules in the root")
             raise ConfigError(
                 f"{names[param_id]} is tied (shared) across FSDP units ({', '.join(u or 'the root' for u in holders)}), "
-                f"which would shard it twice: leave {', '.join(wrapped)} out of fsdp_transformer_layer_cls_to_wrap")
+                f"which would shard it twice: leave {', '.join(wrapped)} out of the classes wrapped ({fix})")
 
 
 def compile_layers(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan) -> None:

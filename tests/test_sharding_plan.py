@@ -3,6 +3,7 @@ settings that cannot work. accelerate exports its config as these variables; the
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
@@ -258,7 +259,23 @@ def test_a_tied_parameter_split_over_two_units_is_refused():
         check_tied_parameters_share_a_unit(model, [*layers, model.model.embed_tokens])
     assert str(error.value) == (
         "model.embed_tokens.weight is tied (shared) across FSDP units (model.embed_tokens, the root), which would "
-        "shard it twice: leave Embedding out of fsdp_transformer_layer_cls_to_wrap")
+        "shard it twice: leave Embedding out of the classes wrapped (set fsdp_transformer_layer_cls_to_wrap "
+        "LlamaDecoderLayer)")
+    # A unit that holds the tied module deeper down (LlamaModel, around the embedding) is named by its own class;
+    # under activation checkpointing too (FSDP2 shards the checkpoint wrapper).
+    with pytest.raises(ConfigError, match=r"across FSDP units \(model, the root\), which would shard it twice: leave "
+                                          r"LlamaModel out of the classes wrapped \(set "
+                                          r"fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer\)$"):
+        check_tied_parameters_share_a_unit(model, [*layers, model.model])
+    checkpointed = tiny_model(tie_word_embeddings=True)
+    checkpointed.model = checkpoint_wrapper(checkpointed.model)
+    with pytest.raises(ConfigError, match=r"leave LlamaModel out of the classes wrapped \(set "
+                                          r"fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer\)$"):
+        check_tied_parameters_share_a_unit(checkpointed, [*[m for m in checkpointed.modules() if isinstance(
+            m, find_layer_classes(model, None))], checkpointed.model])
+    with pytest.raises(ConfigError, match=r"leave LlamaModel out of the classes wrapped \(set fsdp_auto_wrap_policy "
+                                          r"SIZE_BASED_WRAP, which keeps tied modules in the root\)$"):
+        check_tied_parameters_share_a_unit(model, [model.model])
 
 
 def test_master_weights_must_have_the_planned_dtype(monkeypatch):
