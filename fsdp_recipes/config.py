@@ -256,6 +256,11 @@ class TrainConfig:
             raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
+        unused = [k for k in ("save_total_limit", "save_state_dict_type") if getattr(self, k) is not None]
+        if unused and not self.save_steps:
+            raise ConfigError(f"{' and '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to checkpoints, "
+                              f"which save_steps 0 turns off (only final/ is saved): set save_steps N to save one "
+                              f"every N steps, or leave {' and '.join(unused)} unset")
         if not (0 <= self.warmup_steps < 1 or float(self.warmup_steps).is_integer() and self.warmup_steps > 0):
             raise ConfigError(f"warmup_steps must be a whole number of steps, or a fraction in [0, 1) of the run's "
                               f"steps, got {self.warmup_steps}")

@@ -33,6 +33,13 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     """
     if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
         raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
+    if os.path.isdir(os.path.join(cfg.model_name_or_path, "model")) and os.path.isfile(
+            os.path.join(cfg.model_name_or_path, "trainer_state.json")):
+        path = cfg.model_name_or_path
+        raise ConfigError(f"model_name_or_path {path} is a sharded checkpoint (its weights are the DCP shards in "
+                          f"model/), which from_pretrained cannot load: to train from its weights, convert it "
+                          f"(python -m fsdp_recipes.convert {path} <out_dir>) and pass <out_dir>; to continue its "
+                          f"run, pass resume_from_checkpoint {path}")
     try:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:  # transformers' message names the path or hub id and what is missing there
@@ -59,17 +66,27 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:
-    """Where to go for a model type that `recipe` does not train: the recipe that lists it in its MODEL_TYPES, if
-    any."""
+    """Where to go for a model type that `recipe` does not train: the recipe that lists it in its MODEL_TYPES, in
+    the recipe's folder or else in this project's recipes/ (for a recipe copied elsewhere), if any."""
     recipes_dir = os.path.dirname(recipe) or "."
-    trained_by = recipes_training(model_type, recipes_dir)
-    if trained_by:
-        return f"run {trained_by[0]}, with its YAML config from {os.path.join(recipes_dir, 'configs')}"
-    named = os.path.join(recipes_dir, f"{model_type.replace('-', '_')}_sft.py")
+    project_recipes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+    folders = [recipes_dir]
+    if os.path.isdir(project_recipes) and os.path.abspath(recipes_dir) != project_recipes:
+        folders.append(project_recipes)
+    for folder in folders:
+        trained_by = recipes_training(model_type, folder)
+        if trained_by:
+            return f"run {trained_by[0]}, with its YAML config from {os.path.join(folder, 'configs')}"
+    name = model_type.replace("-", "_")
+    named = os.path.join(recipes_dir, f"{name}_sft.py")
     if os.path.exists(named):
         # e.g. Gemma 1 and gemma_sft.py, which trains Gemma 2 and 3: the family's recipe has the file name.
         return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it, or run the "
                 "generic recipes/sft.py")
+    config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
+    if os.path.exists(config):  # e.g. a multimodal Gemma 3 (gemma3): gemma3_sft.yaml is Gemma 3 text's config
+        return (f"run the generic recipes/sft.py, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
+                f"YAML config is {config} (`make new-recipe MODEL={model_type}` cannot write that file: it exists)")
     return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
             f"`make new-recipe MODEL={model_type}`")
 

@@ -289,6 +289,7 @@ def original_ndims(model: nn.Module) -> dict[int, int]:
 def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     """The resolved plan as rank 0 prints it at start."""
     world = dist.get_world_size()
+    device = "cuda (NCCL)" if compute_device(model).type == "cuda" else "cpu (gloo)"
     local = sum(local_numel(p) for p in model.parameters())
     if plan.fsdp_version == 1:
         engine = "FSDP1 (FullyShardedDataParallel)"
@@ -312,7 +313,8 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     # Size-based units do not name the layer classes that checkpointing and compile apply to: say which they are.
     layers = "each decoder layer" if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else f"each {plan.layer_classes}"
     lines = [
-        f"engine: {engine} over {world} ranks",
+        # The device says what ran: a GPU accelerate config on a machine without CUDA trains on the CPU.
+        f"engine: {engine} over {world} ranks on {device}",
         f"wrapped: {plan.wrapped}, then the root",
         f"strategy: {strategy}",
         f"precision: {precision}",

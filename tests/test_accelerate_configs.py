@@ -23,9 +23,9 @@ CPU_CONFIGS = [name for name in CONFIGS if yaml.safe_load((REPO / "accelerate_co
 GPU_CONFIGS = [name for name in CONFIGS if name not in CPU_CONFIGS]
 
 
-def expected_plan(config: dict, world: int = 2) -> list[str]:
-    """The plan lines the YAML implies on `world` ranks, written out independently of the code that prints them
-    (the parameter count for the tiny test model, whose dimensions every shard count divides)."""
+def expected_plan(config: dict, world: int = 2, device: str = "cpu (gloo)") -> list[str]:
+    """The plan lines the YAML implies on `world` ranks of `device`, written out independently of the code that
+    prints them (the parameter count for the tiny test model, whose dimensions every shard count divides)."""
     fsdp = config["fsdp_config"]
     version = fsdp["fsdp_version"]
     replicate = config.get("parallelism_config", {}).get("parallelism_config_dp_replicate_size", 1)
@@ -37,7 +37,7 @@ def expected_plan(config: dict, world: int = 2) -> list[str]:
         engine, strategy = "FSDP2 (fully_shard)", f"{mesh}, reshard_after_forward={fsdp['fsdp_reshard_after_forward']}"
     assert config["mixed_precision"] == "bf16"
     return [
-        f"engine: {engine} over {world} ranks",
+        f"engine: {engine} over {world} ranks on {device}",
         "wrapped: 2 x LlamaDecoderLayer, then the root",
         f"strategy: {strategy}",
         "precision: bf16 compute, fp32 master weights, fp32 gradient reduction, fp32 optimizer state",

@@ -119,7 +119,8 @@ def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
     assert resolve_state_dict_type(cfg) == "full"
-    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--save_state_dict_type", "sharded"])
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--save_steps", "1",
+                        "--save_state_dict_type", "sharded"])
     assert resolve_state_dict_type(cfg) == "sharded"
 
 
@@ -275,7 +276,7 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
     for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"]:
         (tmp_path / name).mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_total_limit", "1"])
+                        "--save_steps", "2", "--save_total_limit", "1"])
     _apply_retention(cfg, saved_step=4)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
@@ -294,7 +295,7 @@ def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp
 
     monkeypatch.setattr(shutil, "rmtree", busy)
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_total_limit", "1"])
+                        "--save_steps", "2", "--save_total_limit", "1"])
     _apply_retention(cfg, saved_step=4)
     assert capsys.readouterr().out == (
         f"warning: save_total_limit 1: {tmp_path}/checkpoint-2 could not be removed (OSError: [Errno 16] Device or "

@@ -26,7 +26,8 @@ def test_yaml_gives_defaults_and_cli_overrides(tmp_path):
 
 def test_the_command_line_sets_a_key_back_to_null(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\neval_split: test\nsave_total_limit: 2\n"
-                                    "mixed_precision: bf16\nfsdp_offload_params: true\nrun_name: mine\n")
+                                    "save_steps: 10\nmixed_precision: bf16\nfsdp_offload_params: true\n"
+                                    "run_name: mine\n")
     cfg = parse_config(["--config", cfg_file, "--eval_split", "null", "--eval_fraction", "0.1", "--save_total_limit",
                         "Null", "--mixed-precision=null", "--fsdp_offload_params", "NULL", "--run_name", "x",
                         "--run_name", "null"])
@@ -73,6 +74,12 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--resume_from_checkpoint", "true"],
          "resume_from_checkpoint true: set it to auto"),
+        # Checkpoint settings without checkpoints: the run would save none, against what they say.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--save_total_limit", "2"],
+         r"^save_total_limit applies to checkpoints, which save_steps 0 turns off \(only final/ is saved\): set "
+         r"save_steps N to save one every N steps, or leave save_total_limit unset$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--save_total_limit", "2", "--save_state_dict_type",
+          "full"], r"^save_total_limit and save_state_dict_type apply to checkpoints"),
         # argparse's own errors, as one line that names the command line.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "ten"],
          "the command line: argument --max_steps/--max-steps: invalid integer value: 'ten'"),

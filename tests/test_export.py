@@ -123,7 +123,7 @@ def test_weights_kept_in_fp32_are_exported_and_converted_as_save_pretrained_writ
     assert kept and {"F32", "BF16"} <= set(expected.values())  # and DeepSeek V4's int64 tid2eid
     args = ["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--attn_implementation", "eager"]
     cfg = parse_config([*args, "--output_dir", str(tmp_path / "run"), "--mixed_precision", "no",
-                        "--save_state_dict_type", "sharded"])
+                        "--save_steps", "1", "--save_state_dict_type", "sharded"])
     model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
     save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.bfloat16)
     optimizer = build_optimizer(model, cfg)
@@ -198,7 +198,7 @@ def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
     folders = [tmp_path / "final"]
     for fmt in ["full", "sharded"]:
         cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / fmt),
-                            "--save_state_dict_type", fmt])
+                            "--save_steps", "1", "--save_state_dict_type", fmt])
         optimizer = build_optimizer(model, cfg)
         checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
                                      epoch=0, wandb_run=None)

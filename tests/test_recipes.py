@@ -319,6 +319,20 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
     AutoConfig.for_model("gemma", **TINY).save_pretrained(tmp_path / "gemma")
     with pytest.raises(ConfigError, match=f'is a gemma model: add "gemma" to MODEL_TYPES in {REPO}/recipes/gemma_sft.py'):
         check(tmp_path / "gemma", "gemma_sft.py", {"gemma2": None, "gemma3_text": None})
+    # A multimodal Gemma 3 (model_type gemma3): `make new-recipe MODEL=gemma3` would collide with Gemma 3 text's
+    # gemma3_sft.yaml, so it is not offered.
+    AutoConfig.for_model("gemma3").save_pretrained(tmp_path / "gemma3_image_text")
+    with pytest.raises(ConfigError, match=f'is a gemma3 model: run the generic recipes/sft.py, or add "gemma3" to the '
+                                          f'MODEL_TYPES of the recipe whose YAML config is {REPO}/recipes/configs/'
+                                          f'gemma3_sft.yaml \\(`make new-recipe MODEL=gemma3` cannot write that '
+                                          f'file: it exists\\)$'):
+        check(tmp_path / "gemma3_image_text", "gemma_sft.py", {"gemma2": None, "gemma3_text": None})
+    # A recipe copied into a folder of its own: the project's recipe of the family is found all the same.
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ConfigError, match=f"is a qwen2 model: run {REPO}/recipes/qwen2_sft.py, with its YAML config "
+                                          f"from {REPO}/recipes/configs$"):
+        check_model_type(parse_config(["--model_name_or_path", str(qwen2), "--dataset_name", "d"]), {"llama": None},
+                         str(tmp_path / "mine" / "my_sft.py"))
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
     AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
@@ -329,6 +343,18 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
     with pytest.raises(ConfigError, match=f"^{tmp_path}/t5 is a t5 model, which AutoModelForCausalLM does not load: "
                                           r"train a causal language model .*\(trust_remote_code\)$"):
         check(tmp_path / "t5", "sft.py", None)
+    # A sharded checkpoint (as checkpoint.py writes one: config.json beside it) given as the model to train from.
+    sharded = tmp_path / "checkpoint-8"
+    shutil.copytree(qwen2, sharded)
+    for weights in sharded.glob("*.safetensors"):
+        weights.unlink()
+    (sharded / "model").mkdir()
+    (sharded / "trainer_state.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"^model_name_or_path {sharded} is a sharded checkpoint .*: to train from "
+                                          f"its weights, convert it \\(python -m fsdp_recipes.convert {sharded} "
+                                          f"<out_dir>\\) and pass <out_dir>; to continue its run, pass "
+                                          f"resume_from_checkpoint {sharded}$"):
+        check(sharded, "sft.py", None)
     # A folder without config.json (a run's output_dir rather than its final/): one line, not a traceback.
     (tmp_path / "run").mkdir()
     with pytest.raises(ConfigError, match=f"model_name_or_path: .*{tmp_path}/run"):

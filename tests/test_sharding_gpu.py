@@ -84,7 +84,7 @@ def test_gpu_config_launches_and_prints_its_plan(tiny, tmp_path, name):
                 "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_seq_length", "64",
                 "--save_steps", "2"])
     printed = proc.stdout.split("sharding plan:\n")[1].split("training:")[0]
-    assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config, WORLD)
+    assert [line.strip() for line in printed.strip().splitlines()] == expected_plan(config, WORLD, "cuda (NCCL)")
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert (tmp_path / "checkpoint-2" / "model" / ".metadata").is_file()  # the YAML's SHARDED_STATE_DICT
 

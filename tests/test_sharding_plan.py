@@ -47,7 +47,7 @@ def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_
     plan = plan_for()
     assert plan.activation_checkpointing and plan.cpu_ram_efficient_loading and plan.overrides == []
     plan = plan_for("--fsdp_version", "1", "--mixed_precision", "no", "--fsdp_activation_checkpointing", "true",
-                    "--save_state_dict_type", "full")
+                    "--save_state_dict_type", "full", "--save_steps", "10")
     assert (plan.fsdp_version, plan.sharding_strategy, plan.mixed_precision) == (1, "FULL_SHARD", "no")
     assert plan.overrides == ["fsdp_version: recipe config 1 overrides accelerate config 2",
                               "mixed_precision: recipe config 'no' overrides accelerate config 'bf16'",
