@@ -50,6 +50,7 @@ from torch.distributed.fsdp import ShardingStrategy
 from transformers import AutoTokenizer
 
 from .config import ConfigError, TrainConfig
+from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
                      tied_parameter_names, write_gathered_weights, write_model_files)
@@ -546,6 +547,10 @@ def tokenizer_differences(saved, current) -> list[str]:
     """The parts of two tokenizers that tokenize differently (empty: none)."""
     differ = [name for name in ("chat_template", "bos_token", "eos_token", "pad_token")
               if getattr(saved, name) != getattr(current, name)]
+    if saved.chat_template == DEFAULT_CHAT_TEMPLATE and current.chat_template is None:
+        # A checkpoint from before the default template was given to chat and instruction data only: this run has
+        # none of those, so the template it saved played no part in the data.
+        differ.remove("chat_template")
     if hasattr(saved, "backend_tokenizer") and hasattr(current, "backend_tokenizer"):
         # The whole pipeline: vocabulary, merges, added tokens, normalizer, pre-tokenizer and the post-processor
         # that adds BOS. Not padding and truncation: encoding a batch sets those on the backend.

@@ -92,8 +92,9 @@ def _recipe_advice(model_type: str, recipe: str) -> str:
 
 
 def check_causal_lm(config, name: str) -> None:
-    """A model AutoModelForCausalLM builds: a model type transformers lists for it, or code of the checkpoint's own
-    that declares it (auto_map); not an encoder-decoder (T5) or a model type only other auto classes load."""
+    """A model AutoModelForCausalLM builds: a model type transformers lists for it (BART's and Whisper's decoders
+    too), or code of the checkpoint's own that declares it (auto_map); not a type only other auto classes load
+    (T5, encoders, most vision-language models)."""
     if type(config) in AutoModelForCausalLM._model_mapping or "AutoModelForCausalLM" in (
             getattr(config, "auto_map", None) or {}):
         return

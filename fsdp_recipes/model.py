@@ -28,13 +28,11 @@ def load_tokenizer(cfg: TrainConfig):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ConfigError(f"cannot load a tokenizer from {source}: {' '.join(str(error).split())}; {save}") from error
-    # A folder without tokenizer files gives some model types (Qwen, GPT-2, Gemma) a tokenizer with no vocabulary,
-    # which would tokenize every example to nothing or to unknown tokens.
-    probe = tokenizer("Hello, world", add_special_tokens=False)["input_ids"]
-    if not probe or set(probe) == {tokenizer.unk_token_id}:
-        raise ConfigError(f"the tokenizer loaded from {source} has no vocabulary ({len(tokenizer)} tokens; 'Hello, "
-                          f"world' becomes {probe}): the folder lacks its files (tokenizer.json, or its tokenizer's "
-                          f"own); {save}")
+    # A folder without tokenizer files gives some model types (Qwen, GPT-2, Gemma) a tokenizer of special tokens
+    # alone, which would tokenize every example to nothing or to unknown tokens.
+    if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) - set(tokenizer.get_added_vocab()):
+        raise ConfigError(f"the tokenizer loaded from {source} has no vocabulary (its {len(tokenizer)} tokens are "
+                          f"all special): the folder lacks its files (tokenizer.json, or its tokenizer's own); {save}")
     if tokenizer.pad_token is None:
         # Padding positions carry no loss and are masked out of attention, so any token will do.
         tokenizer.pad_token = tokenizer.eos_token

@@ -200,7 +200,7 @@ def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module])
 
     def visit(module: nn.Module, name: str, unit_name: str, unit_class: type | None) -> None:
         if id(module) in unit_classes:
-            unit_name, unit_class = name, unit_classes[id(module)]
+            unit_name, unit_class = state_dict_name(name), unit_classes[id(module)]
         for param in module.parameters(recurse=False):
             if id(param) in tied:
                 owners.setdefault(id(param), {})[unit_name] = unit_class
@@ -210,7 +210,7 @@ def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module])
     visit(model, "", "", None)
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
+        names.setdefault(id(param), state_dict_name(name))
     for param_id, holders in owners.items():
         if len(holders) > 1:
             wrapped = sorted({cls.__name__ for unit, cls in holders.items() if unit})
@@ -238,6 +238,16 @@ def local_numel(tensor: torch.Tensor) -> int:
     """Elements this rank holds: a DTensor's local shard (FSDP2); FSDP1's original parameters are already views
     of the local shard (use_orig_params=True)."""
     return tensor.to_local().numel() if hasattr(tensor, "to_local") else tensor.numel()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free FSDP2's gathered parameters after forwards without a backward (evaluation, the packing check). FSDP2
+    keeps the root, and every unit with reshard_after_forward false, gathered until a backward, its modules holding
+    plain full tensors in place of their sharded parameters meanwhile: an optimizer built then would update those.
+    FSDP1 needs none: its optimizer holds the flat parameters themselves, gathered or not."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def compute_device(model: nn.Module) -> torch.device:

@@ -24,7 +24,7 @@ from .flops import peak_flops, training_flops_per_token
 from .metrics import MetricsLogger
 from .progress import TrainingProgress, use_progress_bars
 from .schedule import count_total_steps
-from .sharding import gradient_sync, original_ndims
+from .sharding import gradient_sync, original_ndims, reshard
 
 
 class TrainingDiverged(ConfigError):
@@ -134,6 +134,7 @@ def evaluate(model: nn.Module, eval_dataset, cfg: TrainConfig, tokenizer, env: D
         sums[0] += token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"])
         sums[1] += (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     dist.all_reduce(sums)
+    reshard(model)  # FSDP2 would keep the root gathered until the next backward
     model.train()
     loss = (sums[0] / sums[1]).item()
     return {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}  # exp overflows above 709

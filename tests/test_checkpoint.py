@@ -27,8 +27,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
                                      model_config_differences, prepare_output_dir, remove_earlier_run, resolve_resume,
-                                     resolve_state_dict_type, save_checkpoint, training_data_identity,
-                                     validate_checkpoint)
+                                     resolve_state_dict_type, save_checkpoint, tokenizer_differences,
+                                     training_data_identity, validate_checkpoint)
+from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
@@ -869,6 +870,12 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
     added.add_tokens(["<|tool|>"])
     lowercase = load_tokenizer(cfg)
     lowercase.backend_tokenizer.normalizer = normalizers.Lowercase()
+    # A checkpoint saved with the default template (before it was given to chat and instruction data only) and a
+    # run on other data, whose tokenizer has none: the template played no part.
+    default, without = load_tokenizer(cfg), load_tokenizer(cfg)
+    default.chat_template, without.chat_template = DEFAULT_CHAT_TEMPLATE, None
+    assert tokenizer_differences(default, without) == []
+    assert tokenizer_differences(without, default) == ["chat_template"]  # a run that would use it: not the same
     for changed, parts in [(template, "chat_template"), (added, "added_tokens"), (lowercase, "normalizer")]:
         with pytest.raises(CheckpointError) as error:
             resolve_resume(cfg, model, changed, data)

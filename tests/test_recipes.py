@@ -16,9 +16,11 @@ import yaml
 from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, Gemma3Config,
-                          Gemma3TextConfig, Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, SiglipVisionConfig, VaultGemmaConfig)
+                          Gemma3TextConfig, Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                          SiglipVisionConfig, VaultGemmaConfig)
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from test_readme import readme_commands
@@ -367,12 +369,12 @@ def test_a_model_folder_without_its_tokenizer_is_refused_with_what_to_do(tmp_pat
                                            + (["--tokenizer_name_or_path", str(tokenizer)] if tokenizer else [])))
 
     save = r"save the model's tokenizer in .* \(tokenizer.save_pretrained\), or set tokenizer_name_or_path"
-    # Qwen's and Gemma's tokenizer classes load from a folder without their files, with no vocabulary.
-    for model_type, probe in [("qwen2", r"\[\]"), ("gemma2", r"\[3\]")]:
+    # Qwen's and Gemma's tokenizer classes load from a folder without their files, with special tokens alone.
+    for model_type in ("qwen2", "gemma2"):
         AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
         with pytest.raises(ConfigError, match=f"^the tokenizer loaded from {tmp_path}/{model_type} has no vocabulary "
-                                              rf"\(\d+ tokens; 'Hello, world' becomes {probe}\): the folder lacks its "
-                                              rf"files .*; {save} to the base model's$"):
+                                              rf"\(its \d+ tokens are all special\): the folder lacks its files .*; "
+                                              rf"{save} to the base model's$"):
             load(tmp_path / model_type)
     AutoConfig.for_model("mistral").save_pretrained(tmp_path / "mistral")  # its class cannot load without files
     with pytest.raises(ConfigError, match=f"^cannot load a tokenizer from {tmp_path}/mistral: .*; {save}"):
@@ -381,6 +383,11 @@ def test_a_model_folder_without_its_tokenizer_is_refused_with_what_to_do(tmp_pat
         load(tmp_path / "qwen2", tmp_path / "none")
     TOKENIZER.save_pretrained(tmp_path / "tokenizer")
     assert len(load(tmp_path / "qwen2", tmp_path / "tokenizer")) == len(TOKENIZER)
+    # A complete tokenizer of another alphabet (DNA) maps English to unknown tokens, and is no less a tokenizer.
+    dna = Tokenizer(models.WordLevel({"[UNK]": 0, "A": 1, "C": 2, "G": 3, "T": 4}, unk_token="[UNK]"))
+    dna.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=dna, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(tmp_path / "dna")
+    assert load(tmp_path / "qwen2", tmp_path / "dna")("ACGT")["input_ids"] == [1, 2, 3, 4]
 
 
 class Block(nn.Module):

@@ -269,8 +269,10 @@ def test_a_tied_parameter_split_over_two_units_is_refused():
         check_tied_parameters_share_a_unit(model, [*layers, model.model])
     checkpointed = tiny_model(tie_word_embeddings=True)
     checkpointed.model = checkpoint_wrapper(checkpointed.model)
-    with pytest.raises(ConfigError, match=r"leave LlamaModel out of the classes wrapped \(set "
-                                          r"fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer\)$"):
+    with pytest.raises(ConfigError, match=r"^model.embed_tokens.weight is tied \(shared\) across FSDP units \(model, "
+                                          r"the root\), which would shard it twice: leave LlamaModel out of the "
+                                          r"classes wrapped \(set fsdp_transformer_layer_cls_to_wrap "
+                                          r"LlamaDecoderLayer\)$"):
         check_tied_parameters_share_a_unit(checkpointed, [*[m for m in checkpointed.modules() if isinstance(
             m, find_layer_classes(model, None))], checkpointed.model])
     with pytest.raises(ConfigError, match=r"leave LlamaModel out of the classes wrapped \(set fsdp_auto_wrap_policy "
