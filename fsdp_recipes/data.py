@@ -246,8 +246,10 @@ def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device:
     training = model.training
     model.eval()  # no dropout
     try:
-        change = torch.stack([(second_logits(other_first, packed) - second_logits(first, packed)).abs().max()
-                              for packed in (True, False)])
+        # Eager, not through torch_compile's layers: these shapes and no_grad would only add compilations.
+        with torch.compiler.set_stance("force_eager"):
+            change = torch.stack([(second_logits(other_first, packed) - second_logits(first, packed)).abs().max()
+                                  for packed in (True, False)])
     finally:
         model.train(training)
         reshard(model)  # before the optimizer collects the parameters
