@@ -238,7 +238,9 @@ def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device:
     def second_logits(first_example: list[int], packed: bool) -> torch.Tensor:
         row = {"input_ids": first_example + second, "labels": first_example + second,
                "position_ids": [*range(n), *range(n)]}
-        batch = collate([row] * cfg.per_device_train_batch_size, pad_token_id=0, flatten=packed and flatten)
+        # Two rows: a batch of several, without the memory of a large batch's logits over the vocabulary.
+        rows = min(cfg.per_device_train_batch_size, 2)
+        batch = collate([row] * rows, pad_token_id=0, flatten=packed and flatten)
         inputs = model_inputs(batch) if packed else {"input_ids": batch["input_ids"]}
         logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits.float()
         return logits.reshape(-1, 2 * n, logits.shape[-1])[:, n:]
