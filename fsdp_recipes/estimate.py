@@ -205,12 +205,14 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
         raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
-    packed, full = (_saved_per_layer(model, batch, seq_len, packed) for packed in (True, False))
+    packed, full = (_saved_per_layer(model, batch, seq_len, layout) for layout in ("packed", "full"))
     return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
                             max(packed.layer_input, full.layer_input))
 
 
-def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, packed: bool) -> SavedActivations:
+def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) -> SavedActivations:
+    """What one batch of the layout ("packed" or "full") leaves for backward in each decoder layer."""
+    packed = layout == "packed"
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
