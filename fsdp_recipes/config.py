@@ -93,7 +93,9 @@ class TrainConfig:
         metadata={"help": "Linear warm-up: a number of steps, or a fraction below 1 of the run's steps (rounded up), "
                           "as in transformers' TrainingArguments. It must end before the run does."},
     )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (not on biases and norms)."})
+    weight_decay: float = field(default=0.0, metadata={
+        "help": "AdamW weight decay; none on biases and norm weights (named as transformers.Trainer names them) and "
+                "other 1-D parameters."})
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8

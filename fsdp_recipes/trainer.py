@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import torch
@@ -46,14 +47,28 @@ def check_finite_grad_norm(grad_norm: float, step: int, last_checked: int, cfg: 
     )
 
 
+# transformers.Trainer's names for biases and norm weights (get_decay_parameter_names): by name, so that the 2-D ones
+# (Cohere's per-head q_norm and k_norm, gpt-oss's expert biases) get no decay either.
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def decays_weight(model: nn.Module) -> dict[int, bool]:
+    """id(parameter) -> whether AdamW decays it: not a bias, a norm weight (by name or nn.LayerNorm) or any other
+    parameter that is 1-D in the model's definition."""
+    ndims = original_ndims(model)
+    return {id(p): not (ndims[id(p)] < 2 or isinstance(module, nn.LayerNorm)
+                        or NO_DECAY_NAMES.search(f"{module_name}.{name}".lower()))
+            for module_name, module in model.named_modules() for name, p in module.named_parameters(recurse=False)}
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Fused AdamW (one kernel per step for all parameters, DTensor shards included, on CPU and CUDA); biases and
-    norm weights (the 1-D parameters) get no weight decay."""
+    norm weights get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
-    ndims = original_ndims(model)
+    decays = decays_weight(model)
     groups = [
-        {"params": [p for p in params if ndims[id(p)] >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if ndims[id(p)] < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if decays[id(p)]], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if not decays[id(p)]], "weight_decay": 0.0},
     ]
     # torch's set_optimizer_state_dict gives an empty group the hyperparameters of another group, which then has none.
     groups = [g for g in groups if g["params"]]
