@@ -426,12 +426,19 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
                               f"data's order, so resume with the data the checkpoint was trained on, or start a "
                               f"fresh run (without --resume_from_checkpoint)")
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
-    if state["step"] >= total_steps:  # final/ would silently be the checkpoint's weights
+    final = os.path.join(cfg.output_dir, "final")
+    # At the last step, a run that failed after its last save (in the final evaluation or the export) is finished;
+    # one that has its final/ is not done again, nor is final/ silently the checkpoint's weights when it is past it.
+    if state["step"] > total_steps or (state["step"] == total_steps and os.path.isdir(final)):
+        done = f", and {final} holds its export" if state["step"] == total_steps else ""
         raise CheckpointError(
             f"{path} is at step {state['step']} and this run has {total_steps} steps (max_steps, or num_train_epochs "
-            f"when max_steps is -1): nothing is left to train; raise max_steps or num_train_epochs to extend the "
-            f"run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
+            f"when max_steps is -1){done}: nothing is left to train; raise max_steps or num_train_epochs to extend "
+            f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
             f"<out_dir>`")
+    if state["step"] == total_steps:
+        print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {final} does not exist: the run is "
+                    f"finished from it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
     return path
 
 

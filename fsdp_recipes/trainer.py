@@ -205,9 +205,11 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
                        f"perplexity {eval_metrics['eval/perplexity']:.3f}")
 
-    if resume_from and eval_dataset is not None and cfg.eval_steps and start_step % cfg.eval_steps == 0:
+    if resume_from and eval_dataset is not None and ((cfg.eval_steps and start_step % cfg.eval_steps == 0)
+                                                     or start_step == total_steps):
         # A step saves its checkpoint before it evaluates: an evaluation that failed (out of memory) runs now, as the
-        # resumed run starts after that step. Rank 0's metrics.jsonl says whether it did; every rank takes part.
+        # resumed run starts after that step (at the last step, a resume only finishes the run). Rank 0's
+        # metrics.jsonl says whether it did; every rank takes part.
         evaluated = [logger.evaluated(start_step)]
         dist.broadcast_object_list(evaluated, src=0)
         if not evaluated[0]:

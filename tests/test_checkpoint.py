@@ -802,6 +802,29 @@ def test_an_evaluation_that_failed_after_its_checkpoint_runs_first_on_resume(tin
         assert metrics[2] == {"step": 2, **step_2}
 
 
+def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_path):
+    """The last step saves, then evaluates, then the recipe exports: a resume from the last checkpoint trains
+    nothing, and writes the evaluation and final/ of the uninterrupted run; once final/ exists, it is refused."""
+    args = ["--max_steps", "2", "--eval_fraction", "0.07", "--logging_steps", "1"]
+    run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "whole", *args)])
+    failed = run([sys.executable, "tests/drivers/final_eval_fails.py", RECIPE,
+                  *recipe_args(tiny, tmp_path / "failed", *args)], expect_rc=1)
+    assert "CUDA out of memory (simulated)" in failed.stderr
+    assert (tmp_path / "failed" / "checkpoint-2").is_dir() and not (tmp_path / "failed" / "final").exists()
+    resume = recipe_args(tiny, tmp_path / "failed", *args, "--resume_from_checkpoint", "auto")
+    finished = run([sys.executable, RECIPE, *resume])
+    assert (f"resume: {tmp_path / 'failed' / 'checkpoint-2'} is at the run's last step (2) and "
+            f"{tmp_path / 'failed' / 'final'} does not exist: the run is finished from it") in finished.stdout
+    numbers = ("step", "loss", "grad_norm", "eval/loss", "eval/perplexity")  # not the timings
+    assert ([{k: m[k] for k in numbers if k in m} for m in read_metrics(tmp_path / "failed" / "metrics.jsonl")]
+            == [{k: m[k] for k in numbers if k in m} for m in read_metrics(tmp_path / "whole" / "metrics.jsonl")])
+    assert "eval/loss" in read_metrics(tmp_path / "whole" / "metrics.jsonl")[-1]
+    assert_same_weights(final_weights(tmp_path / "failed"), final_weights(tmp_path / "whole"))
+    again = run([sys.executable, RECIPE, *resume], expect_rc=2)
+    assert (f"is at step 2 and this run has 2 steps (max_steps, or num_train_epochs when max_steps is -1), and "
+            f"{tmp_path / 'failed' / 'final'} holds its export: nothing is left to train") in again.stderr
+
+
 def resume_inputs(tiny, *args):
     """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
@@ -839,20 +862,23 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
 
 
-def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group):
+def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group, tmp_path):
     checkpoint = reference / "checkpoint-6"
     cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
                                                 "--gradient_accumulation_steps", "4")
     # 256 examples in global batches of 16: 16 steps an epoch, so a quarter epoch ends at step 4 and half at 8.
     assert len(data) == 256
-    for length, total in [({"max_steps": 6}, 6), ({"max_steps": -1, "num_train_epochs": 0.25}, 4)]:
+    # At the last step, a run whose output_dir has its final/ (the run was done) is refused as a shorter one.
+    (tmp_path / "final").mkdir()
+    for length, total, done in [({"max_steps": 6}, 6, f", and {tmp_path / 'final'} holds its export"),
+                                ({"max_steps": -1, "num_train_epochs": 0.25}, 4, "")]:
         with pytest.raises(CheckpointError) as error:
-            resolve_resume(dataclasses.replace(cfg, **length), model, tokenizer, data)
+            resolve_resume(dataclasses.replace(cfg, output_dir=str(tmp_path), **length), model, tokenizer, data)
         assert str(error.value) == (
             f"{checkpoint} is at step 6 and this run has {total} steps (max_steps, or num_train_epochs when "
-            f"max_steps is -1): nothing is left to train; raise max_steps or num_train_epochs to extend the run, or "
-            f"write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {checkpoint} "
-            f"<out_dir>`")
+            f"max_steps is -1){done}: nothing is left to train; raise max_steps or num_train_epochs to extend the "
+            f"run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert "
+            f"{checkpoint} <out_dir>`")
     extended = dataclasses.replace(cfg, max_steps=-1, num_train_epochs=0.5)
     assert resolve_resume(extended, model, tokenizer, data) == str(checkpoint)
 
