@@ -342,6 +342,9 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
         num_workers=cfg.dataloader_num_workers,
         pin_memory=pin_memory,
         persistent_workers=cfg.dataloader_num_workers > 0,
+        # Each iterator draws its workers' seed from this generator, not the global RNG, so that the dropout of
+        # later steps does not depend on dataloader_num_workers, nor on where a resumed run started its epoch.
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
 
 
@@ -362,13 +365,9 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: in
             # Drop the first batches' indices only; the sampler order is that of set_epoch(epoch).
             batches = list(loader.batch_sampler)[skip * accumulation:]
             epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn,
-                                      num_workers=loader.num_workers, pin_memory=loader.pin_memory)
-        # Creating a DataLoader iterator draws a seed from the global torch RNG. An uninterrupted run draws it at each
-        # epoch's start (with persistent workers: at the first only); a resumed run must draw exactly there, or every
-        # later random number (dropout) shifts. In the epoch it resumes in, the draw came before the checkpoint.
-        draws_here = epoch_loader is loader and (epoch == 0 or not loader.persistent_workers)
-        with torch.random.fork_rng(devices=[], enabled=not draws_here):
-            epoch_batches = iter(epoch_loader)
+                                      num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                                      generator=loader.generator)
+        epoch_batches = iter(epoch_loader)
         skip = 0
         step: list[dict] = []
         for batch in epoch_batches:

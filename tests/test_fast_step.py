@@ -1,6 +1,7 @@
 """The fast training step: the recipe's AdamW, torch.compile'd decoder layers and data-loader workers give the
 numbers of the plain step."""
 
+import itertools
 import json
 
 import datasets
@@ -10,7 +11,7 @@ from conftest import torchrun
 
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
-from fsdp_recipes.data import build_dataloader
+from fsdp_recipes.data import build_dataloader, optimizer_step_batches
 from fsdp_recipes.plan import resolve_plan
 
 
@@ -54,3 +55,20 @@ def test_torch_compile_needs_fsdp2():
     with pytest.raises(ConfigError, match="torch_compile needs fsdp_version 2"):
         resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--torch_compile", "true",
                                    "--fsdp_version", "1"]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_data_stream_leaves_the_global_rng_to_the_model(workers):
+    # Dropout draws from the global RNG: the data stream must not, or the training would depend on
+    # dataloader_num_workers and on the step a resumed run starts from.
+    rows = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in range(3, 35)]
+    cfg = TrainConfig(model_name_or_path="m", dataset_name="d", dataloader_num_workers=workers,
+                      per_device_train_batch_size=4)
+    loader = build_dataloader(datasets.Dataset.from_list(rows), cfg, demo.build_tokenizer(), rank=0, world_size=2,
+                              pin_memory=False)
+    for start_step in (0, 1, 3):  # 2 steps an epoch: three epoch starts, in and after the first
+        torch.manual_seed(0)
+        expected = torch.rand(3)
+        torch.manual_seed(0)
+        list(itertools.islice(optimizer_step_batches(loader, accumulation=2, start_step=start_step), 6))
+        assert torch.equal(torch.rand(3), expected)
