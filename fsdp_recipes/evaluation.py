@@ -24,3 +24,8 @@ def eval_batches(dataset, batch_size: int, pad_token_id: int, rank: int, world_s
     for i in range(batches_per_rank):
         examples = [dataset[j] for j in rows[i * batch_size:(i + 1) * batch_size]]
         yield collate(examples or [dummy], pad_token_id)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float64's range (a loss above 709) and NaN for a NaN loss."""
+    return math.exp(loss) if loss < 709 else (math.nan if math.isnan(loss) else math.inf)

@@ -76,6 +76,12 @@ def saved_wandb_run(checkpoint: Optional[str]) -> dict[str, Optional[str]]:
     return saved
 
 
+def strict_json(metrics: dict) -> dict:
+    """NaN and infinities (a diverged step's grad_norm) as null: JSON has no such numbers, and strict parsers (jq,
+    JavaScript, pandas' engines) reject Python's NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
+
+
 class MetricsLogger:
     """`run_config` goes to W&B next to the resolved config (e.g. the sharding plan); `resume_from` is the
     checkpoint a resumed run starts from, whose W&B run it continues."""
@@ -106,7 +112,7 @@ class MetricsLogger:
     @property
     def wandb_run_state(self) -> dict[str, Optional[str]]:
         """The W&B run's id, project and entity by WANDB_STATE_KEYS (None without W&B), for each checkpoint."""
-        if self.wandb_run is None:
+        if self.wandb_run is None or self.wandb_run.disabled:  # WANDB_MODE=disabled: a placeholder run, not resumable
             return dict.fromkeys(WANDB_STATE_KEYS)
         return dict(zip(WANDB_STATE_KEYS, (self.wandb_run.id, self.wandb_run.project, self.wandb_run.entity)))
 
@@ -134,7 +140,7 @@ class MetricsLogger:
             return
         self.last_step = metrics["step"]
         with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 

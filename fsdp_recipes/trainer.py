@@ -20,7 +20,7 @@ from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check
                    model_inputs, optimizer_step_batches)
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
-from .evaluation import eval_batches
+from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
 from .metrics import MetricsLogger
 from .progress import TrainingProgress, use_progress_bars
@@ -152,7 +152,7 @@ def evaluate(model: nn.Module, eval_dataset, cfg: TrainConfig, tokenizer, env: D
     reshard(model)  # FSDP2 would keep the root gathered until the next backward
     model.train()
     loss = (sums[0] / sums[1]).item()
-    return {"eval/loss": loss, "eval/perplexity": math.exp(loss) if loss < 700 else math.inf}  # exp overflows above 709
+    return {"eval/loss": loss, "eval/perplexity": perplexity(loss)}
 
 
 def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,

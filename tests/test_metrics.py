@@ -16,13 +16,14 @@ import time
 
 import pytest
 import torch
+import wandb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data_formats import IGNORE_INDEX
 from fsdp_recipes.device_stats import flops_model
-from fsdp_recipes.evaluation import eval_batches
+from fsdp_recipes.evaluation import eval_batches, perplexity
 from fsdp_recipes.flops import training_flops_per_token
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
@@ -235,6 +236,33 @@ def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
     logger.start_at(3)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
                                                         {"step": 3, "loss": 2.0}]
+
+
+def test_metrics_lines_are_strict_json_and_a_nan_loss_has_a_nan_perplexity(tmp_path):
+    logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir",
+                                         str(tmp_path)]), is_main=True)
+    logger.start_at(0)
+    logger.log({"step": 1, "loss": math.nan, "grad_norm": math.inf, "tokens": 7})
+    strict = json.loads((tmp_path / "metrics.jsonl").read_text(),
+                        parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert strict == {"step": 1, "loss": None, "grad_norm": None, "tokens": 7}
+    assert math.isnan(perplexity(math.nan)) and perplexity(800.0) == math.inf and perplexity(2.0) == math.exp(2.0)
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_a_disabled_wandb_run_is_not_saved_for_a_resume(tmp_path, monkeypatch, mode):
+    # WANDB_MODE=disabled gives a placeholder run (entity "dummy"): a resume must not continue it.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", mode)
+    wandb.teardown()  # wandb reads WANDB_MODE once per process, at its set-up
+    logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "out",
+                                         "--report_to", "wandb", "--wandb_project", "p"]), is_main=True)
+    state = logger.wandb_run_state
+    logger.close()
+    if mode == "disabled":
+        assert state == {"wandb_run_id": None, "wandb_project": None, "wandb_entity": None}
+    else:
+        assert state["wandb_run_id"] == logger.wandb_run.id and state["wandb_project"] == "p"
 
 
 def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
