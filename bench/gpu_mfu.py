@@ -7,9 +7,10 @@ A variant is a model and a mode. The model is "1B" or "3B" (Llama 3.2's publishe
 embeddings) or a Hugging Face config (a hub id or a local directory, read by AutoConfig); the mode is "eager" or
 "compile" (torch.compile of each decoder layer), with " + AC" for activation checkpointing. Every model is
 randomly initialised on the device. FSDP2 on a one-rank mesh, bf16 compute with fp32 master weights, fused AdamW,
-sequences of --seq_len tokens packed from instruction-like examples (log-normal lengths, position_ids restarting per
-example, sdpa). Each variant runs in its own process: warm-up steps (the compilation happens there), then timed
-steps between two device synchronisations.
+rows of up to --seq_len tokens packed from instruction-like examples (log-normal lengths, position_ids restarting per
+example, sdpa). Each variant runs in its own process: a warm-up pass over the steps it times (so that every row
+length, and both a row of one example, which has no mask, and of several, are compiled there, not in the timed
+window), then the same steps again, timed between two device synchronisations.
 MFU = model FLOPs per token (fsdp_recipes.flops: 6 x matmul parameters + attention, recomputation not counted)
 x tokens per second / the GPU's dense bf16 peak (989 TFLOP/s for H100 SXM and H200). Attention is counted over the
 mean row length, as the trainer's mfu metric counts it (sdpa computes each whole row, the other examples masked);
@@ -124,7 +125,7 @@ def worker(args) -> None:
                           fsdp_activation_checkpointing=checkpointing, torch_compile=compiled)
         model = shard_model(model, resolve_plan(cfg), env.device)
         optimizer = build_optimizer(model, cfg)
-        steps = packed_steps(args, args.warmup_steps + args.steps, config.vocab_size)
+        steps = packed_steps(args, args.steps, config.vocab_size)
 
         def train_step(micro_batches):
             label_tokens, input_tokens, _ = step_token_counts(micro_batches)
@@ -136,18 +137,20 @@ def worker(args) -> None:
 
         model.train()
         warmup_start = time.perf_counter()
-        for step in steps[:args.warmup_steps]:
+        for step in steps:
             train_step(step)
         synchronize(env.device)
         warmup_seconds = time.perf_counter() - warmup_start
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         start = time.perf_counter()
-        timed = [train_step(step) for step in steps[args.warmup_steps:]]
+        # A recompilation here would be timed as training: the warm-up compiled every variant of these steps.
+        with torch.compiler.set_stance("fail_on_recompile" if compiled else "default"):
+            timed = [train_step(step) for step in steps]
         synchronize(env.device)
         seconds = time.perf_counter() - start
         tokens_per_second = sum(tokens for tokens, _ in timed) / seconds
-        row_length, examples = attention_lengths([mb for step in steps[args.warmup_steps:] for mb in step])
+        row_length, examples = attention_lengths([mb for step in steps for mb in step])
         flops = training_flops_per_token(model, round(row_length))
         # Each token attends within its example: the token-weighted mean of each example's FLOPs per token (so a
         # sliding window applies example by example).
@@ -190,8 +193,7 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=4096)
     parser.add_argument("--batch_size", type=int, default=1, help="packed rows per micro-batch")
     parser.add_argument("--accumulation", type=int, default=2)
-    parser.add_argument("--warmup_steps", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps, each also run once before as warm-up")
     parser.add_argument("--peak_tflops", type=float, help="the device's dense bf16 peak, when fsdp_recipes.flops lacks it")
     parser.add_argument("--budget_s", type=float, default=450, help="variants not started by then are skipped")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

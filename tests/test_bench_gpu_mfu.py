@@ -1,5 +1,6 @@
 """The GPU benchmark's whole path runs on the CPU with a tiny config: data, sharding, the step, FLOPs and the table."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -26,7 +27,7 @@ def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpoin
     out = tmp_path / "mfu.json"
     variants = [f"{tmp_path / 'tiny'} eager + AC", f"{tmp_path / 'tiny'} eager"]
     proc = run([sys.executable, "bench/gpu_mfu.py", "--variants", ",".join(variants), "--seq_len", seq,
-                "--warmup_steps", 1, "--steps", 2, "--peak_tflops", 0.001, "--out", out])
+                "--steps", 2, "--peak_tflops", 0.001, "--out", out])
     results = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in results] == variants
     # q, k, v, o, gate, up, down per layer, and the tied lm_head; attention over the whole sequence.
@@ -43,12 +44,30 @@ def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpoin
         assert r["mean_row_length"] == r["mean_example_length"] == seq
         assert r["mfu_attention_per_example"] == r["mfu"]
         assert r["peak_rss_gib"] > 0
-    # Recomputation gives the same numbers: the same loss after 3 steps, near a random model's log(vocab).
+    # Recomputation gives the same numbers: the same loss after 4 steps (2 of warm-up), near a random model's
+    # log(vocab).
     checkpointed, plain = results
     assert checkpointed["last_step_loss"] == plain["last_step_loss"]
     assert abs(plain["last_step_loss"] - math.log(vocab)) < 0.5
     table = proc.stdout.split("tokens/s")[-1]
     assert variants[0] in table and variants[1] in table
+
+
+def test_compiled_variant_compiles_every_row_it_times_in_the_warm_up(tmp_path):
+    # Rows of up to 512 tokens: several lengths, and rows of one example (no mask: another graph) and of several.
+    # The timed steps run under torch.compiler's fail_on_recompile stance, so a compilation there fails the variant.
+    LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
+    args = argparse.Namespace(seq_len=512, batch_size=1, accumulation=2)
+    rows = [mb for step in load_bench().packed_steps(args, 3, 512) for mb in step]
+    examples_per_row = [int((mb["position_ids"] == 0).sum()) for mb in rows]
+    assert 1 in examples_per_row and max(examples_per_row) > 1
+    assert len({mb["input_ids"].shape[1] for mb in rows}) > 2
+    run([sys.executable, "bench/gpu_mfu.py", "--variants", f"{tmp_path / 'tiny'} compile", "--seq_len", 512,
+         "--steps", 3, "--out", tmp_path / "mfu.json"])
+    [result] = json.loads((tmp_path / "mfu.json").read_text())["results"]
+    assert "error" not in result, result["error"]
+    assert result["tokens_per_step"] == sum(int(mb["attention_mask"].sum()) for mb in rows) / 3
 
 
 def test_attention_lengths_of_packed_rows():
