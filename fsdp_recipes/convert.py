@@ -49,6 +49,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, max_shard_size="5GB") -> None:
     shard_size_in_bytes(max_shard_size)
+    if not out_dir:  # an unset shell variable: the current folder would be the output
+        raise CheckpointError("the output folder is an empty string: give a new folder's path")
+    # Absolute and without a trailing slash, as the last rename sees it ("link/" names the folder a link points to).
+    out_dir = os.path.abspath(out_dir)
     state = validate_checkpoint(checkpoint, parts=())  # optimizer/ and rng/ may have been removed to save space
     if os.path.commonpath([os.path.realpath(out_dir), os.path.realpath(checkpoint)]) == os.path.realpath(checkpoint):
         # The checkpoint's extra files are copied into the output: an output inside it would be copied into itself.
@@ -60,11 +64,12 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         raise CheckpointError(f"{out_dir} already exists and is a file, not a folder: choose a new output folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is not empty: choose a new output folder")
+    if os.path.ismount(out_dir):  # the finished folder is renamed onto out_dir, which a mount point cannot take
+        raise CheckpointError(f"{out_dir} is a mount point: give a new folder inside it, such as {out_dir}/hf")
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
     # A new folder of its own next to out_dir (the last rename stays on one filesystem): nothing of the user's is
     # ever removed (an out_dir.tmp or out_dir.old included); a failure removes this folder, a kill leaves it.
-    out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f"{os.path.basename(out_dir)}.converting-")
     try:

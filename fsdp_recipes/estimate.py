@@ -322,8 +322,14 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
                     if setting.offload else "")
             return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
                     f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)})")
-    return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: use more GPUs, or lower "
-            f"--batch or --seq_len (activations and logits grow with batch x seq_len)")
+    # With checkpointing and offload (the last candidate), the GPU holds only what does not shrink with more GPUs.
+    est = estimate(model, Setting("FULL_SHARD", True, True), args.num_gpus, args.num_nodes, args.mixed_precision,
+                   saved)
+    return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: even with activation "
+            f"checkpointing and CPU offload, a GPU holds {est.gpu_total / GIB:.1f} GiB that more GPUs do not shrink "
+            f"(activations {est.activations / GIB:.1f}, logits and loss {est.logits / GIB:.1f}, gathered layers and "
+            f"their gradients {(est.gathered + est.grad_buffers) / GIB:.1f}): lower --batch or --seq_len, which "
+            f"activations and logits grow with")
 
 
 def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:

@@ -537,6 +537,23 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
             assert torch.equal(converted(inputs).logits, expected(inputs).logits)
 
 
+def test_converter_refuses_an_empty_mount_point_before_writing(reference, tmp_path):
+    # The finished folder is renamed onto the output folder, which a mount point cannot take: refused at once, not
+    # after writing the whole model on the parent's filesystem.
+    (tmp_path / "volume").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", tmp_path / "volume"],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with pytest.raises(CheckpointError) as error:
+            convert(str(reference / "checkpoint-6"), str(tmp_path / "volume"))
+        assert str(error.value) == (f"{tmp_path}/volume is a mount point: give a new folder inside it, such as "
+                                    f"{tmp_path}/volume/hf")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]
+    finally:
+        subprocess.run(["umount", tmp_path / "volume"], check=True)
+
+
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "not_a_checkpoint").mkdir()
     with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):
@@ -550,8 +567,12 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "a_file"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "empty")
-    with pytest.raises(CheckpointError, match=f"link is a symbolic link: give the folder it points to, {tmp_path}/empty"):
-        convert(str(reference / "checkpoint-6"), str(tmp_path / "link"))
+    for spelling in ("link", "link/"):  # with the slash a shell's completion adds, the link names the folder
+        with pytest.raises(CheckpointError,
+                           match=f"link is a symbolic link: give the folder it points to, {tmp_path}/empty"):
+            convert(str(reference / "checkpoint-6"), str(tmp_path / spelling))
+    with pytest.raises(CheckpointError, match="the output folder is an empty string"):  # an unset shell variable
+        convert(str(reference / "checkpoint-6"), "")
     assert os.listdir(tmp_path / "empty") == []
     os.remove(tmp_path / "link")
     os.rmdir(tmp_path / "empty")

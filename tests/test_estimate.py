@@ -336,8 +336,17 @@ def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs, llama_70b):
     assert recommend(model, args, saved).startswith(
         "recommended: FULL_SHARD with activation checkpointing and CPU offload")
     assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args, saved)
-    args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "2", "--gpu_memory", "24"])
-    assert recommend(model, args, saved).startswith("nothing fits in 24 GiB per GPU on 2 GPUs: use more GPUs")
+    # With offload, what stays on a GPU does not depend on the number of GPUs: more of them would not help.
+    for gpus in (2, 64):
+        args = parse_args(["--model", str(configs["70b"]), "--num_gpus", str(gpus), "--gpu_memory", "24"])
+        cheapest = estimate(model, Setting("FULL_SHARD", True, True), gpus, 1, "bf16", saved)
+        assert recommend(model, args, saved) == (
+            f"nothing fits in 24 GiB per GPU on {gpus} GPUs: even with activation checkpointing and CPU offload, a GPU "
+            f"holds {cheapest.gpu_total / 2**30:.1f} GiB that more GPUs do not shrink (activations "
+            f"{cheapest.activations / 2**30:.1f}, logits and loss {cheapest.logits / 2**30:.1f}, gathered layers and "
+            f"their gradients {(cheapest.gathered + cheapest.grad_buffers) / 2**30:.1f}): lower --batch or --seq_len, "
+            f"which activations and logits grow with")
+        assert cheapest.gpu_total > 24 * 2**30 and cheapest.logits > 10 * 2**30
 
 
 def plan_under_launch_node(recipe_keys: str, tmp_path, monkeypatch):
