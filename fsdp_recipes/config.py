@@ -56,7 +56,8 @@ class TrainConfig:
     dataset_config_name: Optional[str] = field(default=None, metadata={"help": "Config name of a hub data set."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     eval_split: Optional[str] = field(
-        default=None, metadata={"help": "Held-out split, or a slice of one (train[90%%:]), of the data sets."}
+        default=None, metadata={"help": "Held-out split of the data sets, or a slice of one that dataset_split leaves "
+                                        "out (train[90%%:] with dataset_split train[:90%%])."}
     )
     eval_fraction: float = field(
         default=0.0, metadata={"help": "Hold out this fraction of the training split (seeded), when no eval_split."}

@@ -1030,8 +1030,20 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
     train, _ = build_datasets(cfg(tmp_path / "single", dataset_split="train[:5]+train[-3:]"), TOKENIZER)
     assert list(train["input_ids"]) == ids(ROWS[:5] + ROWS[-3:])
     train, eval_set = build_datasets(cfg(tmp_path / "dict", dataset_split="train[10:20]+test",
-                                         eval_split="test[:50%]"), TOKENIZER)
-    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[10:20] + ROWS[30:]), ids(ROWS[30:35]))
+                                         eval_split="train[:5]+train[25:]"), TOKENIZER)
+    assert (list(train["input_ids"]), list(eval_set["input_ids"])) == (ids(ROWS[10:20] + ROWS[30:]),
+                                                                         ids(ROWS[:5] + ROWS[25:30]))
+    # Rows the training split also selects are not held out: refused, with the number shared.
+    for path, split, eval_split, shared in [("d.jsonl", "train", "train[90%:]", 4),
+                                            ("single", "train[:80%]", "train[75%:]", 2),
+                                            ("dict", "train[10:20]+test", "test[:50%]", 5),
+                                            ("dict", "train", "train", 30)]:
+        with pytest.raises(ConfigError) as error:
+            build_datasets(cfg(tmp_path / path, dataset_split=split, eval_split=eval_split), TOKENIZER)
+        assert str(error.value) == (
+            f"{tmp_path / path}: eval_split '{eval_split}' and dataset_split '{split}' share {shared} rows, which the "
+            f"evaluation would report as held out: give disjoint slices (dataset_split 'train[:90%]' with eval_split "
+            f"'train[90%:]'), or hold out a random share with eval_fraction")
 
 
 def test_column_mapping_and_weighted_mixture(tmp_path):
