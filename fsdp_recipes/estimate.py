@@ -320,13 +320,17 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
             # Offload moves the sharded state to host memory, which must then hold it for every GPU of the node.
             host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
                     if setting.offload else "")
+            # With the micro-batch, precision and attention it was estimated for: the recipe YAML's may differ.
+            run_keys = (f"mixed_precision: {args.mixed_precision}, per_device_train_batch_size: {args.batch}, "
+                        f"max_seq_length: {args.seq_len}, attn_implementation: {args.attn_implementation}")
             return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
-                    f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)})")
+                    f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)}, {run_keys})")
     # With checkpointing and offload (the last candidate), the GPU holds only what does not shrink with more GPUs.
     est = estimate(model, Setting("FULL_SHARD", True, True), args.num_gpus, args.num_nodes, args.mixed_precision,
                    saved)
     return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: even with activation "
-            f"checkpointing and CPU offload, a GPU holds {est.gpu_total / GIB:.1f} GiB that more GPUs do not shrink "
+            f"checkpointing and CPU offload, a GPU holds {est.gpu_total / GIB:.1f} GiB, more than the "
+            f"{USABLE_SHARE * args.gpu_memory:.1f} usable ({USABLE_SHARE:.0%}), that more GPUs do not shrink "
             f"(activations {est.activations / GIB:.1f}, logits and loss {est.logits / GIB:.1f}, gathered layers and "
             f"their gradients {(est.gathered + est.grad_buffers) / GIB:.1f}): lower --batch or --seq_len, which "
             f"activations and logits grow with")

@@ -342,7 +342,8 @@ def test_70b_needs_offload_on_8_gpus_and_nothing_fits_on_2(configs, llama_70b):
         cheapest = estimate(model, Setting("FULL_SHARD", True, True), gpus, 1, "bf16", saved)
         assert recommend(model, args, saved) == (
             f"nothing fits in 24 GiB per GPU on {gpus} GPUs: even with activation checkpointing and CPU offload, a GPU "
-            f"holds {cheapest.gpu_total / 2**30:.1f} GiB that more GPUs do not shrink (activations "
+            f"holds {cheapest.gpu_total / 2**30:.1f} GiB, more than the 21.6 usable (90%), that more GPUs do not "
+            f"shrink (activations "
             f"{cheapest.activations / 2**30:.1f}, logits and loss {cheapest.logits / 2**30:.1f}, gathered layers and "
             f"their gradients {(cheapest.gathered + cheapest.grad_buffers) / 2**30:.1f}): lower --batch or --seq_len, "
             f"which activations and logits grow with")
@@ -370,9 +371,11 @@ def test_70b_on_2_nodes_gets_full_shard_over_all_16_gpus(configs, llama_70b, tmp
     assert proposal.startswith("recommended: FULL_SHARD with activation checkpointing: ")
     [keys] = re.findall(r"\(recipe config: (.*)\)$", proposal)
     assert keys == ("fsdp_reshard_after_forward: true, dp_replicate_size: 1, fsdp_activation_checkpointing: true, "
-                    "fsdp_offload_params: false")
+                    "fsdp_offload_params: false, mixed_precision: bf16, per_device_train_batch_size: 4, "
+                    "max_seq_length: 2048, attn_implementation: sdpa")
     plan = plan_under_launch_node(keys, tmp_path, monkeypatch)
     assert plan.mesh_shape == (16,) and plan.reshard_after_forward and plan.activation_checkpointing
+    assert plan.mixed_precision == "bf16"
     assert "dp_replicate_size: recipe config 1 overrides accelerate config 2" in plan.overrides
 
 
