@@ -399,8 +399,9 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     differ = model_config_differences(saved, model.config.to_dict())
     if differ:
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
-    length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
-    if any(saved != now for saved, now in length.values()):
+    length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")
+              if state["config"].get(k) != getattr(cfg, k)}
+    if length:
         print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
                     f": the LR schedule (and a warm-up given as a fraction of the run) follows the new total from "
                     f"step {state['step']}")
@@ -427,16 +428,20 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
                               f"fresh run (without --resume_from_checkpoint)")
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
     final = os.path.join(cfg.output_dir, "final")
-    # At the last step, a run that failed after its last save (in the final evaluation or the export) is finished;
-    # one that has its final/ is not done again, nor is final/ silently the checkpoint's weights when it is past it.
-    if state["step"] > total_steps or (state["step"] == total_steps and os.path.isdir(final)):
-        done = f", and {final} holds its export" if state["step"] == total_steps else ""
+    # At its run's last step (the same length), a run that failed after its last save (in the final evaluation or the
+    # export) is finished; one that has its final/ (here or beside the checkpoint) is not done again, nor is a
+    # checkpoint of a longer or shorter run taken for an end.
+    exported = [f for f in (final, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
+    at_end = state["step"] == total_steps
+    if state["step"] > total_steps or (at_end and (exported or length)):
+        why = (f", and {exported[0]} holds its export" if at_end and exported
+               else ", where the checkpoint's run, of another length, did not end" if at_end else "")
         raise CheckpointError(
             f"{path} is at step {state['step']} and this run has {total_steps} steps (max_steps, or num_train_epochs "
-            f"when max_steps is -1){done}: nothing is left to train; raise max_steps or num_train_epochs to extend "
+            f"when max_steps is -1){why}: nothing is left to train; raise max_steps or num_train_epochs to extend "
             f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
             f"<out_dir>`")
-    if state["step"] == total_steps:
+    if at_end:
         print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {final} does not exist: the run is "
                     f"finished from it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
     return path

@@ -120,6 +120,7 @@ class MetricsLogger:
         """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest."""
         if not self.is_main:
             return
+        self.last_step = step  # the W&B step of samples logged before any other event (a resume that only finishes)
         kept = []
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:

@@ -844,6 +844,11 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
     again = run([sys.executable, RECIPE, *resume], expect_rc=2)
     assert (f"is at step 2 and this run has 2 steps (max_steps, or num_train_epochs when max_steps is -1), and "
             f"{tmp_path / 'failed' / 'final'} holds its export: nothing is left to train") in again.stderr
+    # Into another output_dir, as a way to train more that forgot to raise max_steps: the checkpoint's run has its
+    # final/ beside it.
+    elsewhere = run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "more", *args, "--resume_from_checkpoint",
+                                                          tmp_path / "whole" / "checkpoint-2")], expect_rc=2)
+    assert f"and {tmp_path / 'whole' / 'final'} holds its export: nothing is left to train" in elsewhere.stderr
 
 
 def resume_inputs(tiny, *args):
@@ -902,6 +907,14 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
             f"{checkpoint} <out_dir>`")
     extended = dataclasses.replace(cfg, max_steps=-1, num_train_epochs=0.5)
     assert resolve_resume(extended, model, tokenizer, data) == str(checkpoint)
+    # Step 4 of the 6-step run, with no final/ anywhere, is not the end of a run shortened to 4 steps.
+    shutil.copytree(reference / "checkpoint-4", tmp_path / "copy" / "checkpoint-4")
+    shortened = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-4"),
+                                    output_dir=str(tmp_path / "copy"), max_steps=4)
+    with pytest.raises(CheckpointError, match=r"this run has 4 steps \(max_steps, or num_train_epochs when max_steps "
+                                              r"is -1\), where the checkpoint's run, of another length, did not end: "
+                                              r"nothing is left to train"):
+        resolve_resume(shortened, model, tokenizer, data)
 
 
 def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_group):
