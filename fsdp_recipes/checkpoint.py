@@ -771,7 +771,17 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
     absent = [fqn for fqn in optim_sd["state"] if fqn not in saved]
     for fqn in absent:
         del optim_sd["state"][fqn]
-    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(path))
+    groups = [sorted(group["params"]) for group in optim_sd["param_groups"]]
+    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(path))  # the saved groups replace this run's
+    saved_groups = [sorted(group["params"]) for group in optim_sd["param_groups"]]
+    if saved_groups != groups:  # torch would load them and leave a group without hyperparameters
+        moved = sorted(set().union(*map(set, groups)) ^ set().union(*map(set, saved_groups))
+                       or {p for ours, theirs in zip(groups, saved_groups) for p in set(ours) ^ set(theirs)})
+        raise CheckpointError(
+            f"{os.path.dirname(path)} groups the parameters for weight decay otherwise than this version of the "
+            f"project does (it moved {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}; biases and norm "
+            f"weights get none): resume with the version that saved it, or start a fresh run from the weights "
+            f"(`python -m fsdp_recipes.convert {os.path.dirname(path)} <out_dir>`)")
     set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=not absent))
     if absent:
         params = {state_dict_name(name): param for name, param in model.named_parameters()}

@@ -226,6 +226,30 @@ def test_a_parameter_that_had_no_gradient_resumes_without_optimizer_state(tiny, 
             assert torch.equal(full(loaded[name][key]), full(value)), (name, key)
 
 
+def test_a_checkpoint_with_other_weight_decay_groups_is_refused(tiny, tmp_path, one_process_group):
+    # As an earlier version saved Cohere's 2-D q_norm weights: decayed. torch would load the groups and leave one
+    # without hyperparameters (KeyError 'betas' at the first step); the resume says what differs instead.
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    decay, no_decay = build_optimizer(model, cfg).param_groups
+    norms = [p for name, p in model.named_parameters() if name.endswith("model.norm.weight")]
+    optimizer = torch.optim.AdamW([{"params": decay["params"] + norms, "weight_decay": 0.1},
+                                   {"params": [p for p in no_decay["params"] if all(p is not n for n in norms)],
+                                    "weight_decay": 0.0}])
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 1, 0, None)
+    resumed = shard_model(load_model(cfg), resolve_plan(cfg))
+    resumed_optimizer = build_optimizer(resumed, cfg)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(str(tmp_path / "checkpoint-1"), resumed, resumed_optimizer,
+                        get_scheduler("cosine", resumed_optimizer, num_warmup_steps=0, num_training_steps=6))
+    assert str(error.value) == (
+        f"{tmp_path / 'checkpoint-1'} groups the parameters for weight decay otherwise than this version of the "
+        f"project does (it moved model.norm.weight; biases and norm weights get none): resume with the version that "
+        f"saved it, or start a fresh run from the weights (`python -m fsdp_recipes.convert "
+        f"{tmp_path / 'checkpoint-1'} <out_dir>`)")
+
+
 def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
     """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
     crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
