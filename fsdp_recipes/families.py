@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig
@@ -21,6 +22,21 @@ def exact_attention(config) -> tuple[str, ...] | None:
     if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
         return SOFT_CAPPING_ATTENTION
     return None
+
+
+def model_load_error(name: str, error: Exception) -> str:
+    """What to change when transformers cannot read the model's config: its own words, but for two cases whose
+    words mislead (a Hub URL for a local folder, a Python keyword argument, an internet connection to check)."""
+    if "trust_remote_code" in str(error):
+        return (f"model_name_or_path {name} ships its own model code (auto_map in its config.json): read it, then "
+                f"pass --trust_remote_code true to run it (the recipe key trust_remote_code: true)")
+    chain = [error]
+    while chain[-1].__cause__ or chain[-1].__context__:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    if not os.path.exists(name) and any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        return (f"model_name_or_path {name}: no such folder in {os.getcwd()}, and the Hub cannot be reached (offline, "
+                f"or no network) to look for a model of that name")
+    return f"model_name_or_path: {error}"
 
 
 def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:
@@ -43,7 +59,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     try:
         config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:  # transformers' message names the path or hub id and what is missing there
-        raise ConfigError(f"model_name_or_path: {e}") from e
+        raise ConfigError(model_load_error(cfg.model_name_or_path, e)) from e
     check_causal_lm(config, cfg.model_name_or_path)
     part = part_that_loads(config)
     if part is not None:

@@ -575,3 +575,22 @@ def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
         assert proc.stderr == (f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {reference} (an "
                                "installed package holds no recipes): run new_recipe from a clone of the repository\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site-packages"]
+
+
+def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
+    # A model with code of its own: the recipe key, not transformers' Python keyword and Hub URL for a local folder.
+    (tmp_path / "custom").mkdir()
+    (tmp_path / "custom" / "config.json").write_text(json.dumps(
+        {"model_type": "my_custom", "auto_map": {"AutoConfig": "configuration_my_custom.MyConfig"}}))
+    args = ["--model_name_or_path", str(tmp_path / "custom"), "--dataset_name", "data.jsonl"]
+    with pytest.raises(ConfigError) as error:
+        check_model_type(parse_config(args), None, "recipes/sft.py")
+    assert str(error.value) == (f"model_name_or_path {tmp_path}/custom ships its own model code (auto_map in its "
+                                f"config.json): read it, then pass --trust_remote_code true to run it (the recipe key "
+                                f"trust_remote_code: true)")
+    # A mistyped local folder on an offline node reads as a Hub id: the error says both, not "check your connection".
+    proc = run([sys.executable, "recipes/llama_sft.py", "--model_name_or_path", "demo/base_modle", "--dataset_name",
+                "data.jsonl", "--output_dir", tmp_path / "out"], expect_rc=2, HF_HUB_OFFLINE="1")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: model_name_or_path demo/base_modle: no such folder in {REPO}, and the Hub cannot be reached "
+        f"(offline, or no network) to look for a model of that name")
