@@ -283,6 +283,13 @@ class TrainConfig:
         if self.attn_implementation not in known and "/" not in self.attn_implementation:
             raise ConfigError(f"attn_implementation must be one of {', '.join(sorted(known))}, or a Hub kernel "
                               f"(org/repo), got {self.attn_implementation!r}")
+        if self.run_name is not None and self.report_to != "wandb":
+            raise ConfigError(f"run_name names the W&B run, and report_to is {self.report_to}: pass --report_to wandb, "
+                              f"or leave run_name unset")
+        if self.gradient_sync == "last_micro_batch" and self.gradient_accumulation_steps == 1:
+            raise ConfigError("gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a "
+                              "step, and gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above "
+                              "1, or gradient_sync every_micro_batch")
         if self.lr_scheduler_type == "constant" and self.warmup_steps:
             raise ConfigError("lr_scheduler_type constant has no warm-up: use constant_with_warmup, or warmup_steps 0")
 

@@ -27,7 +27,7 @@ def test_yaml_gives_defaults_and_cli_overrides(tmp_path):
 def test_the_command_line_sets_a_key_back_to_null(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\neval_split: test\nsave_total_limit: 2\n"
                                     "save_steps: 10\nmixed_precision: bf16\nfsdp_offload_params: true\n"
-                                    "run_name: mine\n")
+                                    "run_name: mine\nreport_to: wandb\n")
     cfg = parse_config(["--config", cfg_file, "--eval_split", "null", "--eval_fraction", "0.1", "--save_total_limit",
                         "Null", "--mixed-precision=null", "--fsdp_offload_params", "NULL", "--run_name", "x",
                         "--run_name", "null"])
@@ -72,6 +72,13 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_beta2", "1"], r"adam_beta2 must be in \[0, 1\)"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--weight_decay", "-0.1"], "weight_decay must be 0 or"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
+        # Settings that would do nothing: refused, not ignored.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--run_name", "mine"],
+         "run_name names the W&B run, and report_to is none: pass --report_to wandb, or leave run_name unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_sync", "last_micro_batch"],
+         "gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a step, and "
+         "gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above 1, or gradient_sync "
+         "every_micro_batch"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--resume_from_checkpoint", "true"],
          "resume_from_checkpoint true: set it to auto"),
         # Checkpoint settings without checkpoints: the run would save none, against what they say.

@@ -124,10 +124,12 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
     # config; an FSDP2 config's fsdp_reshard_after_forward reads 1 and 0 as true and false.
     for number, strategy in [("2", "SHARD_GRAD_OP"), ("3", "NO_SHARD")]:
         accelerate_env.setenv("FSDP_SHARDING_STRATEGY", number)
-        assert plan_for("--gradient_sync", "last_micro_batch").sharding_strategy == strategy
+        assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
+                        "2").sharding_strategy == strategy
     accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
     accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "2")
-    assert plan_for("--gradient_sync", "last_micro_batch").sharding_strategy == "SHARD_GRAD_OP"
+    assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
+                    "2").sharding_strategy == "SHARD_GRAD_OP"
     accelerate_env.setenv("FSDP_VERSION", "2")
     accelerate_env.delenv("FSDP_BACKWARD_PREFETCH")
     for value, reshard in [("1", True), ("0", False)]:
