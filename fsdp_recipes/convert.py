@@ -250,7 +250,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder (sharded or full)")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (absent or empty)")
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of the written weights")
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32",
+                        help="dtype of the written weights (default fp32: the master weights exactly; bf16 halves "
+                             "the folder)")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB or 4GiB")
     args = parser.parse_args()
     keep_tensors_in_their_own_mappings()
