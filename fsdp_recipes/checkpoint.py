@@ -18,6 +18,7 @@ checkpoint complete and `latest` pointing at it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -399,12 +400,6 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     differ = model_config_differences(saved, model.config.to_dict())
     if differ:
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
-    length = {k: (state["config"].get(k), getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")
-              if state["config"].get(k) != getattr(cfg, k)}
-    if length:
-        print_rank0(f"resume: the run's length changes ({', '.join(f'{k} {a} -> {b}' for k, (a, b) in length.items())})"
-                    f": the LR schedule (and a warm-up given as a fraction of the run) follows the new total from "
-                    f"step {state['step']}")
     differ = training_config_differences(state, cfg, dist.get_world_size(), master_dtype(model))
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
@@ -427,13 +422,22 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
                               f"data's order, so resume with the data the checkpoint was trained on, or start a "
                               f"fresh run (without --resume_from_checkpoint)")
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
+    # The checkpoint's own run's length: the same data and global batch (compared above), its max_steps and epochs.
+    saved_length = {k: state["config"].get(k, getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
+    saved_total = count_total_steps(dataclasses.replace(cfg, **saved_length), train_dataset, dist.get_world_size())
+    if saved_total != total_steps:
+        changed = ", ".join(f"{k} {saved_length[k]} -> {getattr(cfg, k)}" for k in saved_length
+                            if saved_length[k] != getattr(cfg, k))
+        print_rank0(f"resume: the run's length changes from {saved_total} to {total_steps} steps ({changed}): the LR "
+                    f"schedule (and a warm-up given as a fraction of the run) follows the new total from step "
+                    f"{state['step']}")
     final = os.path.join(cfg.output_dir, "final")
     # At its run's last step (the same length), a run that failed after its last save (in the final evaluation or the
     # export) is finished; one that has its final/ (here or beside the checkpoint) is not done again, nor is a
     # checkpoint of a longer or shorter run taken for an end.
     exported = [f for f in (final, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
     at_end = state["step"] == total_steps
-    if state["step"] > total_steps or (at_end and (exported or length)):
+    if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
         why = (f", and {exported[0]} holds its export" if at_end and exported
                else ", where the checkpoint's run, of another length, did not end" if at_end else "")
         raise CheckpointError(

@@ -297,18 +297,20 @@ def check_held_out(name: str, config_name: Optional[str], split: str, eval_split
     """Refuse an eval_split that selects rows dataset_split trains on ('train[90%:]' beside the default 'train'):
     its loss would be reported as held-out."""
     names = lambda spec: {part.split("[")[0].strip() for part in spec.split("+")}
-    shared = names(split) & names(eval_split)
-    if not shared:
+    advice = ("give disjoint slices (dataset_split 'train[:90%]' with eval_split 'train[90%:]'), or hold out a "
+              "random share with eval_fraction")
+    if "all" in names(split) | names(eval_split):  # datasets' name for every split of the data set
+        raise ConfigError(f"{name}: eval_split '{eval_split}' and dataset_split '{split}' share rows ('all' is every "
+                          f"split), which the evaluation would report as held out: {advice}")
+    if not names(split) & names(eval_split):
         return
     lengths = {s: len(load_split(name, config_name, s)) for s in names(split) | names(eval_split)}  # cached reads
-    rows = lambda spec: datasets.ReadInstruction.from_spec(spec).to_absolute(lengths)
+    rows = lambda spec: _parse_split(name, spec).to_absolute(lengths)
     overlap = sum(max(0, min(a.to, b.to) - max(a.from_, b.from_))
                   for a in rows(split) for b in rows(eval_split) if a.splitname == b.splitname)
     if overlap:
         raise ConfigError(f"{name}: eval_split '{eval_split}' and dataset_split '{split}' share {overlap} rows, which "
-                          f"the evaluation would report as held out: give disjoint slices (dataset_split "
-                          f"'train[:90%]' with eval_split 'train[90%:]'), or hold out a random share with "
-                          f"eval_fraction")
+                          f"the evaluation would report as held out: {advice}")
 
 
 def load_sources(names: list[str], config_names: list[Optional[str]], splits: list[str],
@@ -322,8 +324,8 @@ def load_sources(names: list[str], config_names: list[Optional[str]], splits: li
         train = load_split(name, config_name, split)
         held_out = None
         if eval_split:
-            held_out = load_split(name, config_name, eval_split)
             check_held_out(name, config_name, split, eval_split)
+            held_out = load_split(name, config_name, eval_split)
         sources.append((train, held_out))
     for name, (train, _) in zip(names, sources):
         present = {source: target for source, target in column_mapping.items() if source in train.column_names}

@@ -321,7 +321,9 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
             host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
                     if setting.offload else "")
             # With the micro-batch, precision and attention it was estimated for: the recipe YAML's may differ.
-            run_keys = (f"mixed_precision: {args.mixed_precision}, per_device_train_batch_size: {args.batch}, "
+            # YAML reads a bare no as false.
+            precision = '"no"' if args.mixed_precision == "no" else args.mixed_precision
+            run_keys = (f"mixed_precision: {precision}, per_device_train_batch_size: {args.batch}, "
                         f"max_seq_length: {args.seq_len}, attn_implementation: {args.attn_implementation}")
             return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
                     f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)}, {run_keys})")

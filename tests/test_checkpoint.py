@@ -939,6 +939,11 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
                                               r"is -1\), where the checkpoint's run, of another length, did not end: "
                                               r"nothing is left to train"):
         resolve_resume(shortened, model, tokenizer, data)
+    # Step 6 ends the run whatever keys say so: max_steps 6, or 0.375 of an epoch of 16 steps.
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "copy" / "checkpoint-6")
+    same_end = dataclasses.replace(shortened, resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-6"),
+                                   max_steps=-1, num_train_epochs=0.375)
+    assert resolve_resume(same_end, model, tokenizer, data) == str(tmp_path / "copy" / "checkpoint-6")
 
 
 def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_group):

@@ -1044,6 +1044,9 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
             f"{tmp_path / path}: eval_split '{eval_split}' and dataset_split '{split}' share {shared} rows, which the "
             f"evaluation would report as held out: give disjoint slices (dataset_split 'train[:90%]' with eval_split "
             f"'train[90%:]'), or hold out a random share with eval_fraction")
+    with pytest.raises(ConfigError, match=r"dict: eval_split 'all' and dataset_split 'train\[:5\]' share rows \('all' "
+                                          r"is every split\)"):
+        build_datasets(cfg(tmp_path / "dict", dataset_split="train[:5]", eval_split="all"), TOKENIZER)
 
 
 def test_column_mapping_and_weighted_mixture(tmp_path):

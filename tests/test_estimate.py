@@ -388,6 +388,18 @@ def test_recipe_keys_on_2_nodes_shard_as_estimated_under_the_launcher(tmp_path, 
     assert not plan.activation_checkpointing  # said explicitly: a recipe YAML's true would not fit the estimate
 
 
+def test_recipe_keys_of_every_precision_read_back_as_a_recipe_config(configs, llama_70b, tmp_path):
+    model, saved = llama_70b
+    for precision in ("bf16", "no", "pure_bf16"):
+        args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "64", "--gpu_memory", "141",
+                           "--mixed_precision", precision])
+        [keys] = re.findall(r"\(recipe config: (.*)\)$", recommend(model, args, saved))
+        (tmp_path / "recipe.yaml").write_text("\n".join(keys.split(", ")))
+        cfg = parse_config(["--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path", "m", "--dataset_name",
+                            "d"])
+        assert (cfg.mixed_precision, cfg.per_device_train_batch_size, cfg.max_seq_length) == (precision, 4, 2048)
+
+
 def test_bad_input_is_one_clear_line(tmp_path):
     gemma2 = write_config(tmp_path / "gemma2.json", Gemma2Config(**SMALL).to_dict())
     with pytest.raises(ConfigError) as error:
