@@ -779,8 +779,7 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
     dcp.load(optim_sd, storage_reader=SafeFileSystemReader(path))  # the saved groups replace this run's
     saved_groups = [sorted(group["params"]) for group in optim_sd["param_groups"]]
     if saved_groups != groups:  # torch would load them and leave a group without hyperparameters
-        moved = sorted(set().union(*map(set, groups)) ^ set().union(*map(set, saved_groups))
-                       or {p for ours, theirs in zip(groups, saved_groups) for p in set(ours) ^ set(theirs)})
+        moved = sorted({p for ours, theirs in zip(groups, saved_groups) for p in set(ours) ^ set(theirs)})
         raise CheckpointError(
             f"{os.path.dirname(path)} groups the parameters for weight decay otherwise than this version of the "
             f"project does (it moved {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}; biases and norm "
