@@ -283,9 +283,6 @@ class TrainConfig:
         if self.attn_implementation not in known and "/" not in self.attn_implementation:
             raise ConfigError(f"attn_implementation must be one of {', '.join(sorted(known))}, or a Hub kernel "
                               f"(org/repo), got {self.attn_implementation!r}")
-        if self.run_name is not None and self.report_to != "wandb":
-            raise ConfigError(f"run_name names the W&B run, and report_to is {self.report_to}: pass --report_to wandb, "
-                              f"or leave run_name unset")
         if self.gradient_sync == "last_micro_batch" and self.gradient_accumulation_steps == 1:
             raise ConfigError("gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a "
                               "step, and gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above "
@@ -465,8 +462,8 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
         if action.type is int:
             action.type = integer
     field_names = [f.name for f in dataclasses.fields(config_cls)]
-    if known.config:
-        parser.set_defaults(**_read_yaml(known.config[0], parser, config_cls))
+    yaml_values = _read_yaml(known.config[0], parser, config_cls) if known.config else {}
+    parser.set_defaults(**yaml_values)
 
     rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(config_cls).items()
                                      if type(None) in typing.get_args(hint)})
@@ -477,7 +474,37 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     if remaining:
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
     values = {k: v for k, v in vars(namespace).items() if k in field_names}
-    return config_cls(**{**values, **nulls})
+    cfg = config_cls(**{**values, **nulls})
+    given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")} & set(field_names)
+    check_keys_take_effect(cfg, set(yaml_values), given | set(nulls))
+    return cfg
+
+
+# Keys that do nothing unless another key turns their feature on: what each does, whether it is on, the keys that
+# turn it on, why it is off, and what to set.
+FEATURE_KEYS = {
+    "per_device_eval_batch_size": ("sizes the evaluation batches", lambda c: bool(c.eval_split or c.eval_fraction),
+                                   {"eval_split", "eval_fraction"}, "the run has no held-out split",
+                                   "set eval_split or eval_fraction"),
+    "generation_max_new_tokens": ("applies to sample generation", lambda c: bool(c.generation_prompts),
+                                  {"generation_prompts"}, "generation_prompts is unset", "set generation_prompts"),
+    "generation_use_chat_template": ("applies to sample generation", lambda c: bool(c.generation_prompts),
+                                     {"generation_prompts"}, "generation_prompts is unset", "set generation_prompts"),
+    "run_name": ("names the W&B run", lambda c: c.report_to == "wandb", {"report_to"}, "report_to is none",
+                 "pass --report_to wandb"),
+    "wandb_project": ("names the W&B project", lambda c: c.report_to == "wandb", {"report_to"}, "report_to is none",
+                      "pass --report_to wandb"),
+}
+
+
+def check_keys_take_effect(cfg: TrainConfig, yaml_keys: set[str], command_line_keys: set[str]) -> None:
+    """A key set in the YAML or on the command line whose feature is off would be silently ignored: refused. One
+    exception: a command line that turns a feature off (`--report_to none` over a YAML that logs to W&B) leaves the
+    YAML's keys for that feature alone, as it says in so many words that they do not apply."""
+    for key, (what, is_on, switches, why_off, how) in FEATURE_KEYS.items():
+        turned_off_on_command_line = key not in command_line_keys and command_line_keys & switches
+        if key in yaml_keys | command_line_keys and not is_on(cfg) and not turned_off_on_command_line:
+            raise ConfigError(f"{key} {what}, and {why_off}: {how}, or leave {key} unset")
 
 
 def _take_nulls(argv: list[str], optional: set[str]) -> tuple[list[str], dict]:

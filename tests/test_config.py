@@ -75,6 +75,19 @@ def test_unknown_cli_flag_is_named():
         # Settings that would do nothing: refused, not ignored.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--run_name", "mine"],
          "run_name names the W&B run, and report_to is none: pass --report_to wandb, or leave run_name unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--wandb_project", "mine"],
+         "wandb_project names the W&B project, and report_to is none: pass --report_to wandb, or leave wandb_project "
+         "unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--report_to", "none", "--wandb_project", "mine"],
+         "wandb_project names the W&B project, and report_to is none"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--per_device_eval_batch_size", "8"],
+         "per_device_eval_batch_size sizes the evaluation batches, and the run has no held-out split: set eval_split "
+         "or eval_fraction, or leave per_device_eval_batch_size unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--generation_max_new_tokens", "64"],
+         "generation_max_new_tokens applies to sample generation, and generation_prompts is unset: set "
+         "generation_prompts, or leave generation_max_new_tokens unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--generation-use-chat-template=false"],
+         "generation_use_chat_template applies to sample generation, and generation_prompts is unset"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_sync", "last_micro_batch"],
          "gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a step, and "
          "gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above 1, or gradient_sync "
@@ -132,6 +145,27 @@ def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
     """argparse checks only the command line; a YAML typo must not crash after training or change the run."""
     with pytest.raises(ConfigError, match=message):
         parse_config(["--config", write_yaml(tmp_path, f"model_name_or_path: m\ndataset_name: d\n{text}\n")])
+
+
+def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the_feature_off(tmp_path):
+    """A YAML that logs to W&B or generates samples may be run with the feature turned off on the command line;
+    its keys for the feature then say nothing the user relies on. Set beside the feature turned off, they do."""
+    cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nreport_to: wandb\nwandb_project: p\n"
+                                    "run_name: r\ngeneration_prompts: [hi]\ngeneration_max_new_tokens: 8\n"
+                                    "generation_use_chat_template: false\neval_fraction: 0.1\n"
+                                    "per_device_eval_batch_size: 2\n")
+    cfg = parse_config(["--config", cfg_file, "--report_to", "none", "--generation_prompts", "null",
+                        "--eval_fraction", "0"])
+    assert (cfg.report_to, cfg.generation_prompts, cfg.eval_fraction) == ("none", None, 0)
+    assert (cfg.wandb_project, cfg.generation_max_new_tokens, cfg.per_device_eval_batch_size) == ("p", 8, 2)
+    # The same key given again on the command line is relied on.
+    with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
+        parse_config(["--config", cfg_file, "--report_to", "none", "--wandb_project", "q"])
+    # The feature off in the YAML itself: refused.
+    off = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nreport_to: none\nwandb_project: p\n")
+    with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
+        parse_config(["--config", off])
+    assert parse_config(["--config", off, "--report_to", "wandb"]).wandb_project == "p"
 
 
 def test_yaml_values_of_the_right_type_pass(tmp_path):

@@ -161,7 +161,8 @@ def test_eval_batch_defaults_to_the_training_micro_batch():
     assert eval_batch_size("--config", "recipes/configs/qwen3_moe_sft.yaml") == 1
     assert eval_batch_size("--config", "recipes/configs/llama_sft.yaml") == 4
     assert eval_batch_size("--per_device_train_batch_size", "3") == 3
-    assert eval_batch_size("--per_device_train_batch_size", "3", "--per_device_eval_batch_size", "8") == 8
+    assert eval_batch_size("--per_device_train_batch_size", "3", "--per_device_eval_batch_size", "8",
+                           "--eval_fraction", "0.1") == 8
     with pytest.raises(ConfigError, match="per_device_eval_batch_size must be at least 1, got 0"):
         eval_batch_size("--per_device_eval_batch_size", "0")
 
