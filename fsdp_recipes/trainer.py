@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import time
@@ -118,6 +119,8 @@ def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: 
             mb_loss_sum = token_loss_sum(outputs.logits, mb["labels"])
             loss = mb_loss_sum * (world_size / label_tokens)
             aux_loss = getattr(outputs, "aux_loss", None)  # MoE models with output_router_logits
+            if aux_loss is not None and "position_ids" in mb:
+                aux_loss = packed_router_loss(model, outputs.router_logits, mb["attention_mask"])
             if aux_loss is not None:
                 # coef x the router loss's mean over the step's micro-batches and (through FSDP's gradient average)
                 # ranks, as the model's own loss weighs it for one batch. HF's Trainer weighs it
@@ -127,6 +130,27 @@ def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: 
             loss.backward()
         loss_sum += mb_loss_sum.detach()
     return loss_sum, aux_loss_sum
+
+
+def packed_router_loss(model: nn.Module, router_logits: tuple[torch.Tensor, ...],
+                       attention_mask: torch.Tensor) -> torch.Tensor:
+    """The router load-balancing loss of a packed batch over its real tokens. Packed batches reach the model without
+    attention_mask (model_inputs), so the model's own aux_loss also counts the padding that ends each row; this
+    calls the function the model's forward calls, with the mask (check_packed_router_loss checks it exists)."""
+    causal_lm = model.module if isinstance(model, FSDP) else model
+    loss_function = inspect.getmodule(causal_lm.forward).load_balancing_loss_func
+    return loss_function(router_logits, causal_lm.num_experts, causal_lm.num_experts_per_tok, attention_mask)
+
+
+def check_packed_router_loss(model: nn.Module) -> None:
+    """Packing with the router loss on needs what packed_router_loss calls; checked before the first step."""
+    causal_lm = model.module if isinstance(model, FSDP) else model
+    if not (hasattr(inspect.getmodule(causal_lm.forward), "load_balancing_loss_func")
+            and hasattr(causal_lm, "num_experts") and hasattr(causal_lm, "num_experts_per_tok")):
+        raise ConfigError(f"packing with the router load-balancing loss on: {type(causal_lm).__name__} does not "
+                          f"compute that loss as transformers' MoE models do (load_balancing_loss_func with "
+                          f"num_experts and num_experts_per_tok), so the padding of packed rows cannot be left out "
+                          f"of it. Set packing false, or output_router_logits false")
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -171,6 +195,8 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     if cfg.packing:
         check_packing_separates_examples(model, cfg, env.device)
+        if getattr(model.config, "output_router_logits", False):
+            check_packed_router_loss(model)
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)

@@ -21,18 +21,19 @@ from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2
                           Gemma3TextConfig, Gemma4TextConfig, LlamaConfig, MistralConfig, Phi3Config,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM,
                           SiglipVisionConfig, VaultGemmaConfig)
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
 from test_readme import readme_commands
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.data import IGNORE_INDEX
+from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
 from fsdp_recipes.sharding import find_layer_classes
-from fsdp_recipes.trainer import forward_backward
+from fsdp_recipes.trainer import check_packed_router_loss, forward_backward
 
 TOKENIZER = demo.build_tokenizer()
 TINY = dict(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -219,6 +220,41 @@ def test_router_aux_loss_is_weighted_as_the_models_own_loss():
     assert forward_backward(model, micro_batches, label_tokens, 1, torch.device("cpu"))[1] is None
     router = "model.layers.0.mlp.gate.weight"
     assert (take_grads(model)[router] - ours[router]).abs().max() > 1e-4
+
+
+def test_packed_router_loss_leaves_out_the_padding_of_packed_rows():
+    """Packed batches reach the model without attention_mask, so its own aux_loss would count the padding that
+    ends the shorter row. The loss used is that of the real tokens alone: each packed row run on its own, without
+    padding, gives the same router logits (attention stays within each example)."""
+    model, _, _ = tiny_moe_step()
+    with torch.no_grad():  # a router sharper than at initialisation, whose loss the padding moves more
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(30)
+    rows = [{"input_ids": list(range(5, 17)), "labels": list(range(5, 17)), "position_ids": [*range(5), *range(7)]},
+            {"input_ids": [20, 21, 22], "labels": [20, 21, 22], "position_ids": [0, 1, 2]}]
+    batch = collate(rows, pad_token_id=0)
+    label_tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    _, aux_loss_sum = forward_backward(model, [batch], label_tokens, 1, torch.device("cpu"))
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        alone = [model(input_ids=torch.tensor([row["input_ids"]]), position_ids=torch.tensor([row["position_ids"]]))
+                 for row in rows]
+        padded = model(**model_inputs(batch))
+    layers = range(len(alone[0].router_logits))
+    real_tokens = tuple(torch.cat([out.router_logits[i] for out in alone]) for i in layers)
+    expected = load_balancing_loss_func(real_tokens, 4, 2)
+    assert aux_loss_sum.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert abs(padded.aux_loss.item() - expected.item()) > 1e-2  # the model's own, padding counted
+
+
+def test_packing_with_a_router_loss_the_project_cannot_mask_is_refused():
+    model, _, _ = tiny_moe_step()
+    check_packed_router_loss(model)
+    del model.num_experts_per_tok  # a model that computes the loss some other way
+    with pytest.raises(ConfigError, match="^packing with the router load-balancing loss on: Qwen3MoeForCausalLM does "
+                                          "not compute that loss as transformers' MoE models do .* Set packing false, "
+                                          "or output_router_logits false$"):
+        check_packed_router_loss(model)
 
 
 def test_hf_trainer_weights_the_router_loss_gradient_accumulation_steps_times_more(tmp_path):
