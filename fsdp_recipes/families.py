@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -25,11 +26,19 @@ def exact_attention(config) -> tuple[str, ...] | None:
 
 
 def model_load_error(name: str, error: Exception) -> str:
-    """What to change when transformers cannot read the model's config: its own words, but for two cases whose
-    words mislead (a Hub URL for a local folder, a Python keyword argument, an internet connection to check)."""
+    """What to change when transformers cannot read the model's config: its own words, but for the cases whose
+    words mislead (a Hub URL for a local folder, a Python keyword argument, an internet connection to check, a
+    config.json without model_type for a folder without config.json)."""
     if "trust_remote_code" in str(error):
         return (f"model_name_or_path {name} ships its own model code (auto_map in its config.json): read it, then "
                 f"pass --trust_remote_code true to run it (the recipe key trust_remote_code: true)")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        return (f"model_name_or_path {name} is a folder without config.json: give the folder that save_pretrained "
+                f"wrote (config.json beside the weights)")
+    missing_code = re.search(r"does not appear to have a file named (\S+\.py)", str(error))
+    if os.path.isdir(name) and missing_code:
+        return (f"model_name_or_path {name}: its config.json runs model code from {missing_code.group(1)} (auto_map), "
+                f"which the folder lacks: copy the model's .py files beside its config.json")
     chain = [error]
     while chain[-1].__cause__ or chain[-1].__context__:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)

@@ -624,6 +624,21 @@ def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
     assert str(error.value) == (f"model_name_or_path {tmp_path}/custom ships its own model code (auto_map in its "
                                 f"config.json): read it, then pass --trust_remote_code true to run it (the recipe key "
                                 f"trust_remote_code: true)")
+    # With trust_remote_code, a folder that lacks the code files: transformers' words give a Hub URL for the folder.
+    args = ["--model_name_or_path", str(tmp_path / "custom"), "--dataset_name", "data.jsonl", "--trust_remote_code",
+            "true"]
+    with pytest.raises(ConfigError) as error:
+        check_model_type(parse_config(args), None, "recipes/sft.py")
+    assert str(error.value) == (f"model_name_or_path {tmp_path}/custom: its config.json runs model code from "
+                                f"configuration_my_custom.py (auto_map), which the folder lacks: copy the model's .py "
+                                f"files beside its config.json")
+    # A folder without config.json: transformers' words are about a model_type key in it.
+    (tmp_path / "weights_only").mkdir()
+    with pytest.raises(ConfigError) as error:
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "weights_only"), "--dataset_name",
+                                       "data.jsonl"]), None, "recipes/sft.py")
+    assert str(error.value) == (f"model_name_or_path {tmp_path}/weights_only is a folder without config.json: give "
+                                f"the folder that save_pretrained wrote (config.json beside the weights)")
     # A mistyped local folder on an offline node reads as a Hub id: the error says both, not "check your connection".
     proc = run([sys.executable, "recipes/llama_sft.py", "--model_name_or_path", "demo/base_modle", "--dataset_name",
                 "data.jsonl", "--output_dir", tmp_path / "out"], expect_rc=2, HF_HUB_OFFLINE="1")
