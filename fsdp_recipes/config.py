@@ -475,7 +475,8 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
     values = {k: v for k, v in vars(namespace).items() if k in field_names}
     cfg = config_cls(**{**values, **nulls})
-    given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")} & set(field_names)
+    given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
+    given |= {key.removeprefix("no_") for key in given}  # HfArgumentParser's --no_<key> for a boolean that is true
     check_keys_take_effect(cfg, set(yaml_values), given | set(nulls))
     return cfg
 
