@@ -33,8 +33,10 @@ def model_load_error(name: str, error: Exception) -> str:
         return (f"model_name_or_path {name} ships its own model code (auto_map in its config.json): read it, then "
                 f"pass --trust_remote_code true to run it (the recipe key trust_remote_code: true)")
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        final = os.path.join(name, "final")
         return (f"model_name_or_path {name} is a folder without config.json: give the folder that save_pretrained "
-                f"wrote (config.json beside the weights)")
+                f"wrote (config.json beside the weights)"
+                + (f", such as this run's export {final}" if os.path.isfile(os.path.join(final, "config.json")) else ""))
     missing_code = re.search(r"does not appear to have a file named (\S+\.py)", str(error))
     if os.path.isdir(name) and missing_code:
         return (f"model_name_or_path {name}: its config.json runs model code from {missing_code.group(1)} (auto_map), "

@@ -393,9 +393,11 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f"<out_dir>\\) and pass <out_dir>; to continue its run, pass "
                                           f"resume_from_checkpoint {sharded}$"):
         check(sharded, "sft.py", None)
-    # A folder without config.json (a run's output_dir rather than its final/): one line, not a traceback.
-    (tmp_path / "run").mkdir()
-    with pytest.raises(ConfigError, match=f"model_name_or_path: .*{tmp_path}/run"):
+    # A folder without config.json (a run's output_dir rather than its final/): one line that names final/.
+    shutil.copytree(qwen2, tmp_path / "run" / "final")
+    with pytest.raises(ConfigError, match=f"^model_name_or_path {tmp_path}/run is a folder without config.json: give "
+                                          f"the folder that save_pretrained wrote \\(config.json beside the weights\\), "
+                                          f"such as this run's export {tmp_path}/run/final$"):
         check(tmp_path / "run", "sft.py", None)
 
 
