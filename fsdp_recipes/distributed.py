@@ -34,6 +34,7 @@ class DistEnv:
 
 
 def init_distributed(timeout_minutes: int = 30) -> DistEnv:
+    check_started_by_a_launcher()
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -56,6 +57,18 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     long_wait_group()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def check_started_by_a_launcher() -> None:
+    """One of several tasks that SLURM or MPI started without a launcher (`srun --ntasks-per-node 8 python
+    recipe.py`) has no RANK: each would train alone, all into the same output_dir."""
+    tasks = {"SLURM_STEP_NUM_TASKS": "SLURM job step", "OMPI_COMM_WORLD_SIZE": "MPI job", "PMI_SIZE": "MPI job"}
+    for var, what in tasks.items():
+        if "RANK" not in os.environ and int(os.environ.get(var, 1)) > 1:
+            raise ConfigError(f"this process is one of the {os.environ[var]} tasks of a {what} ({var}), started "
+                              f"without a launcher: each would train alone, into the same output_dir. Run one task "
+                              f"per node that starts the node's processes with accelerate launch or torchrun "
+                              f"(slurm/sft_multinode.sbatch runs slurm/launch_node.sh so)")
 
 
 @contextlib.contextmanager

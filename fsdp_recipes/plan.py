@@ -146,9 +146,23 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         if _env_bool(f"ACCELERATE_USE_{engine}"):
             raise ConfigError(f"the accelerate config uses {engine.replace('_', '-')}, which these recipes do not "
                               f"run (they apply FSDP): launch with an FSDP config, e.g. accelerate_configs/{config}")
+    # Both exported by `accelerate launch`, and applied only by accelerate's own Accelerator, which the recipes
+    # do not create.
+    if os.environ.get("ACCELERATE_CPU_AFFINITY") == "1":
+        raise ConfigError("accelerate launch --enable_cpu_affinity is not applied (accelerate sets the affinity in its "
+                          "own Accelerator, which these recipes do not use): remove it")
+    if _env_bool("ACCELERATE_DEBUG_MODE"):
+        raise ConfigError("the accelerate config's debug mode (debug: true, or accelerate launch --debug) is not "
+                          "applied (it checks the collectives of accelerate's own operations, which these recipes do "
+                          "not use): remove it")
     use_env = bool(_env_bool("ACCELERATE_USE_FSDP"))
     if use_env:
         _reject_unsupported_env()
+    elif "ACCELERATE_MIXED_PRECISION" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        # MULTI_GPU or MULTI_CPU: accelerate exports none of the config's fsdp_config, which would go unapplied.
+        raise ConfigError("the accelerate config's distributed_type is not FSDP, so accelerate passes none of its "
+                          "fsdp_config on: set distributed_type: FSDP, or launch with one of accelerate_configs/ "
+                          "(fsdp2.yaml, or fsdp2_cpu.yaml on CPU)")
 
     def env(getter, name):
         return getter(name) if use_env else None

@@ -5,7 +5,8 @@
 # Arguments: the recipe script and its arguments.
 #
 # With an accelerate config that has a parallelism_config (fsdp2_hsdp_multinode.yaml, the default) the run is HSDP:
-# replicated across the NNODES nodes, sharded over the GPUS_PER_NODE GPUs of each. With one that has none (e.g.
+# replicated across the NNODES nodes, sharded over the GPUS_PER_NODE GPUs of each (the config's own sizes are
+# replaced; dp_replicate_size in the recipe config chooses another layout). With a config that has none (e.g.
 # fsdp2.yaml), or with dp_replicate_size: 1 in the recipe config, the model is sharded over every GPU of every node.
 set -euo pipefail
 : "${NNODES:?the number of nodes}" "${NODE_RANK:?this node: 0 to NNODES-1}" "${GPUS_PER_NODE:?processes per node}"

@@ -157,3 +157,19 @@ def test_a_key_left_out_of_an_accelerate_config_takes_accelerates_default(monkey
     plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "2",
                                       "--mixed_precision", "bf16"]))
     assert (plan.fsdp_version, plan.mixed_precision) == (2, "bf16")
+
+
+def test_a_config_whose_distributed_type_is_not_fsdp_is_refused(monkeypatch, tmp_path):
+    # accelerate exports none of a MULTI_GPU config's fsdp_config: its offload and rank-0 loading would be dropped.
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp2_offload.yaml").read_text())
+    (tmp_path / "multi_gpu.yaml").write_text(yaml.safe_dump({**config, "distributed_type": "MULTI_GPU"}))
+    env = launched_env(tmp_path / "multi_gpu.yaml")
+    assert not any(key.startswith("FSDP_") for key in env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"^the accelerate config's distributed_type is not FSDP, so accelerate "
+                                          r"passes none of its fsdp_config on: set distributed_type: FSDP"):
+        resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    # One process launched by accelerate without a config (the simple launcher): nothing is dropped.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2

@@ -29,11 +29,12 @@ TRAIN_ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--max_s
               "--save_dtype", "float32"]
 
 # Stand-ins for SLURM on one machine: `scontrol show hostnames` names 127.0.0.1 as node 0, and `srun` starts its
-# command once per node, at the same time, each with its SLURM_NODEID; as with --kill-on-bad-exit, a node that
-# fails stops the other.
+# command once per node, at the same time, each with its SLURM_NODEID (and the step's task count); as with
+# --kill-on-bad-exit, a node that fails stops the other.
 SCONTROL = '#!/bin/sh\necho 127.0.0.1\necho 127.0.0.1\n'
 SRUN = """#!/bin/bash
 while [[ $1 == -* ]]; do shift; done
+export SLURM_STEP_NUM_TASKS=2
 SLURM_NODEID=0 "$@" & node0=$!
 SLURM_NODEID=1 "$@" & node1=$!
 for _ in 0 1; do wait -n || { kill $node0 $node1 2>/dev/null; exit 1; }; done
@@ -157,3 +158,16 @@ def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
         assert exported.keys() == weights.keys()
         for name, tensor in weights.items():
             assert (exported[name] - tensor).abs().max() <= 1e-5, (out, name)
+
+
+def test_tasks_started_without_a_launcher_are_refused(tiny, tmp_path):
+    """`srun --ntasks-per-node 2 python recipe.py`: each task has SLURM's variables but no RANK, and would train
+    alone into the same output_dir."""
+    proc = run([sys.executable, "recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
+                "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path / "out"],
+               expect_rc=2, SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: this process is one of the 2 tasks of a SLURM job step (SLURM_STEP_NUM_TASKS), started without a "
+        "launcher: each would train alone, into the same output_dir. Run one task per node that starts the node's "
+        "processes with accelerate launch or torchrun (slurm/sft_multinode.sbatch runs slurm/launch_node.sh so)")
+    assert not (tmp_path / "out").exists()

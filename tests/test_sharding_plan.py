@@ -204,6 +204,12 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, [],
      "sets fsdp_sharding_strategy NO_SHARD and fsdp_reshard_after_forward SHARD_GRAD_OP: keep one of them"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, [], r"dynamo_config \(dynamo_backend INDUCTOR\) is not applied"),
+    # Applied by accelerate's Accelerator only, which the recipes do not create.
+    ({"ACCELERATE_CPU_AFFINITY": "1"}, [], r"^accelerate launch --enable_cpu_affinity is not applied \(accelerate "
+                                           r"sets the affinity in its own Accelerator, which these recipes do not "
+                                           r"use\): remove it$"),
+    ({"ACCELERATE_DEBUG_MODE": "true"}, [], r"^the accelerate config's debug mode \(debug: true, or accelerate launch "
+                                            r"--debug\) is not applied"),
     # A DeepSpeed config exports no FSDP settings: its offload would be dropped without a word.
     ({"ACCELERATE_USE_FSDP": "false", "ACCELERATE_USE_DEEPSPEED": "true"}, [],
      "the accelerate config uses DEEPSPEED, which these recipes do not run .*accelerate_configs/fsdp2_offload.yaml"),
