@@ -33,10 +33,21 @@ def subprocess_env(**extra: str) -> dict:
 
 
 def run(cmd: list[str], expect_rc: int = 0, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run `cmd` in the repository root; on an unexpected exit code, fail with its output."""
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout
-    )
+    """Run `cmd` in the repository root; on an unexpected exit code, fail with its output. A run stopped early (its
+    timeout, pytest-timeout's) is sent SIGTERM first: torchrun starts its workers in sessions of their own, out of
+    reach of a kill of torchrun alone, and stops them itself on SIGTERM."""
+    with subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except BaseException:
+            child.terminate()
+            try:
+                child.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise
+    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if proc.returncode != expect_rc:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}, expected {expect_rc}\n"
                     f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
