@@ -7,7 +7,7 @@ Llamas of 1024 hidden and a 32k vocabulary (untied) with 1, 5, 15 and 34 layers 
 of fp32 weights. Each size runs in 2 fresh processes (FSDP2, gloo): the model is sharded, and one AdamW step on zero
 gradients fills the optimizer state (twice the model), so the checkpoints have their real size. Each phase resets
 the kernel's peak-RSS counter of both ranks (/proc/self/clear_refs) and reports the largest peak of the two, and
-that peak minus the rank's RSS before the phase ("extra"). The conversion runs as its own process (as a user runs
+the larger of the two ranks' increases, a rank's peak minus its RSS before the phase ("extra"). The conversion runs as its own process (as a user runs
 it), with --max_shard_size 100MB, so that the largest output file is the largest tensor; its "extra" is its peak
 anonymous memory above that of a process that only imports the converter (anonymous: the RSS also counts shared
 library pages, which vary between processes by up to 100 MB with a CUDA build of torch). Each size's files are

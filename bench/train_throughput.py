@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -80,19 +79,24 @@ def optimizer_steps(args, data: str) -> list[list[dict]]:
 
     n_steps = args.warmup_steps + args.steps
     rows_needed = n_steps * args.micro_batches * (args.pack_batch_size if data == "packed" else args.pad_batch_size)
-    # Packed rows hold several examples each; the shortest examples are about 1/16 of max_seq_length.
-    examples = instruction_examples(args, rows_needed * (16 if data == "packed" else 1))
+    # A packed row holds fewer than max_seq_length / 32 examples: their lengths do not grow with max_seq_length.
+    examples = instruction_examples(args, rows_needed * (max(16, args.max_seq_length // 32) if data == "packed" else 1))
     if data == "packed":
         packed = pack_examples({k: [ex[k] for ex in examples] for k in ("input_ids", "labels")}, args.max_seq_length)
         rows, batch = [dict(zip(packed, values)) for values in zip(*packed.values())], args.pack_batch_size
     else:
         rows, batch = examples, args.pad_batch_size
+    if len(rows) < rows_needed:
+        raise SystemExit(f"{len(rows)} {data} rows, {rows_needed} needed: generate more examples per row")
     micro = [collate(rows[i * batch:(i + 1) * batch], pad_token_id=0) for i in range(n_steps * args.micro_batches)]
     return [micro[s * args.micro_batches:(s + 1) * args.micro_batches] for s in range(n_steps)]
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KB
+    """This process's peak RSS (VmHWM): rusage's ru_maxrss would also count a larger parent's peak, kept across
+    fork and exec."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def worker(args) -> None:

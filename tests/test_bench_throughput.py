@@ -32,3 +32,24 @@ def test_an_odd_micro_batch_count_is_refused_for_two_processes():
     proc = run([sys.executable, "bench/train_throughput.py", "--micro_batches", "3", "--variants", "FSDP2 fp32 packed"],
                expect_rc=1)
     assert "--micro_batches 3 does not split over 2 processes" in proc.stderr
+
+
+def test_packed_steps_have_their_rows_at_any_sequence_length():
+    """Examples keep their lengths as max_seq_length grows, so a packed row holds more of them: at 4096 about 30."""
+    import argparse
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("train_throughput", REPO / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for length in (512, 4096):
+        args = argparse.Namespace(warmup_steps=1, steps=2, micro_batches=4, pack_batch_size=1, pad_batch_size=4,
+                                  max_seq_length=length, vocab_size=500, seed=0)
+        steps = bench.optimizer_steps(args, "packed")
+        assert [len(step) for step in steps] == [4, 4, 4]
+        rows = [mb for step in steps for mb in step]
+        assert all(mb["input_ids"].shape[1] <= length for mb in rows)
+        examples = sum(int((mb["position_ids"] == 0).sum()) for mb in rows)
+        assert examples > length / 256 * len(rows)  # several examples a row, more at 4096
