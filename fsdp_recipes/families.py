@@ -9,7 +9,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig
-from .new_recipe import recipes_training
+from .new_recipe import recipe_advice
 
 
 # The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma): transformers 5.17 runs
@@ -93,29 +93,11 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:
-    """Where to go for a model type that `recipe` does not train: the recipe that lists it in its MODEL_TYPES, in
-    the recipe's folder or else in this project's recipes/ (for a recipe copied elsewhere), if any."""
-    recipes_dir = os.path.dirname(recipe) or "."
-    project_recipes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
-    folders = [recipes_dir]
-    if os.path.isdir(project_recipes) and os.path.abspath(recipes_dir) != project_recipes:
-        folders.append(project_recipes)
-    for folder in folders:
-        trained_by = recipes_training(model_type, folder)
-        if trained_by:
-            return f"run {trained_by[0]}, with its YAML config from {os.path.join(folder, 'configs')}"
-    name = model_type.replace("-", "_")
-    named = os.path.join(recipes_dir, f"{name}_sft.py")
-    if os.path.exists(named):
-        # e.g. Gemma 1 and gemma_sft.py, which trains Gemma 2 and 3: the family's recipe has the file name.
-        return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it, or run the "
-                "generic recipes/sft.py")
-    config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
-    if os.path.exists(config):  # e.g. a multimodal Gemma 3 (gemma3): gemma3_sft.yaml is Gemma 3 text's config
-        return (f"run the generic recipes/sft.py, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
-                f"YAML config is {config} (`make new-recipe MODEL={model_type}` cannot write that file: it exists)")
-    return (f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
-            f"`make new-recipe MODEL={model_type}`")
+    """Where to go for a model type that `recipe` does not train: new_recipe's advice for the recipe's folder (the
+    recipe that trains it, there or in this project's recipes/), or else the ways to get a recipe of its own."""
+    return recipe_advice(model_type, os.path.dirname(recipe) or ".") or (
+        f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
+        f"`make new-recipe MODEL={model_type}`")
 
 
 def check_causal_lm(config, name: str) -> None:

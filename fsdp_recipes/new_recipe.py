@@ -99,20 +99,43 @@ def recipes_training(model_type: str, recipes_dir: str) -> list[str]:
     return found
 
 
+def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
+    """What to do with a model type that has a recipe or file already: the recipe that lists it in its MODEL_TYPES,
+    in recipes_dir or else in this project's recipes/ (for recipes_dir elsewhere), or the recipe or YAML config of
+    its file name in recipes_dir. None: none of these, so `make new-recipe` can write its recipe there."""
+    project_recipes = os.path.join(REPO, "recipes")
+    folders = [recipes_dir]
+    if os.path.abspath(recipes_dir) != project_recipes:
+        folders.append(project_recipes)
+    for folder in folders:
+        trained_by = recipes_training(model_type, folder) if os.path.isdir(folder) else []
+        if trained_by:  # a second recipe would lack the family's defaults (Qwen3-MoE's router loss)
+            return (f"{trained_by[0]} trains {model_type} models: run it (or a copy of it), with its YAML config "
+                    f"from {os.path.join(folder, 'configs')}")
+    name = model_type.replace("-", "_")
+    named = os.path.join(recipes_dir, f"{name}_sft.py")
+    if os.path.exists(named):
+        # e.g. Gemma 1 and gemma_sft.py, which trains Gemma 2 and 3: the family's recipe has the file name.
+        return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it "
+                f"(`make new-recipe MODEL={model_type}` cannot write that file: it exists), or run the generic "
+                "recipes/sft.py")
+    config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
+    if os.path.exists(config):  # e.g. a multimodal Gemma 3 (gemma3): gemma3_sft.yaml is Gemma 3 text's config
+        return (f"run the generic recipes/sft.py, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
+                f"YAML config is {config} (`make new-recipe MODEL={model_type}` cannot write that file: it exists)")
+    return None
+
+
 def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     """Write <recipes_dir>/<name>_sft.py and <recipes_dir>/configs/<name>_sft.yaml; return their paths."""
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", model_type):
         raise SystemExit(f"error: MODEL must be a model_type as config.json spells it (e.g. olmo2), got {model_type!r}")
-    trained_by = recipes_training(model_type, recipes_dir) if os.path.isdir(recipes_dir) else []
-    if trained_by:  # a second recipe would lack the family's defaults (Gemma 2's eager attention)
-        raise SystemExit(f"error: {trained_by[0]} already trains {model_type} models: run it, with its YAML config "
-                         f"from {os.path.join(recipes_dir, 'configs')}")
+    advice = recipe_advice(model_type, recipes_dir)
+    if advice:
+        raise SystemExit(f"error: {advice}")
     name = model_type.replace("-", "_")  # a file name Python can import: modernbert-decoder -> modernbert_decoder
     recipe = os.path.join(recipes_dir, f"{name}_sft.py")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
-    for path in (recipe, config):
-        if os.path.exists(path):
-            raise SystemExit(f"error: {path} already exists")
     _, head, _, tail = split_recipe(read_reference())
     values = {"model_type": model_type, "name": name, "own_start": OWN_START}
     os.makedirs(os.path.dirname(config), exist_ok=True)

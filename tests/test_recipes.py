@@ -323,8 +323,9 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
     check_model_type(parse_config([*generic[:3], str(gemma3), *generic[4:]]), None, "recipes/sft.py")
     # The recipe that trains it, before the attention check: llama_sft.yaml's sdpa is no reason to use eager here.
-    with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: run "
-                                          r"recipes/gemma_sft.py, with its YAML config from recipes/configs$"):
+    with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: "
+                                          r"recipes/gemma_sft.py trains gemma2 models: run it \(or a copy of it\), "
+                                          r"with its YAML config from recipes/configs$"):
         check_model_type(parse_config([*args, "--attn_implementation", "sdpa"]), {"llama": None},
                          "recipes/llama_sft.py")
     missing = ["--config", "recipes/configs/gemma2_sft.yaml", "--model_name_or_path", str(tmp_path / "none"),
@@ -346,12 +347,14 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
         check_model_type(parse_config(args), model_types, str(REPO / "recipes" / recipe))
 
     qwen2 = write_model(tmp_path / "qwen2", FAMILIES["qwen2"][2])
-    with pytest.raises(ConfigError, match=f"but {qwen2} is a qwen2 model: run {REPO}/recipes/qwen2_sft.py, with its "
-                                          f"YAML config from {REPO}/recipes/configs$"):
+    with pytest.raises(ConfigError, match=f"but {qwen2} is a qwen2 model: {REPO}/recipes/qwen2_sft.py trains qwen2 "
+                                          f"models: run it \\(or a copy of it\\), with its YAML config from "
+                                          f"{REPO}/recipes/configs$"):
         check(qwen2, "llama_sft.py", {"llama": None})
     # Gemma 3's text model: gemma_sft.py lists it, under another name.
     gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
-    with pytest.raises(ConfigError, match=f"is a gemma3_text model: run {REPO}/recipes/gemma_sft.py, with"):
+    with pytest.raises(ConfigError, match=f"is a gemma3_text model: {REPO}/recipes/gemma_sft.py trains gemma3_text "
+                                          "models: run it"):
         check(gemma3, "llama_sft.py", {"llama": None})
     # Gemma 1: the file named after it is the recipe of Gemma 2 and 3, so `make new-recipe MODEL=gemma` would fail.
     AutoConfig.for_model("gemma", **TINY).save_pretrained(tmp_path / "gemma")
@@ -367,8 +370,9 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
         check(tmp_path / "gemma3_image_text", "gemma_sft.py", {"gemma2": None, "gemma3_text": None})
     # A recipe copied into a folder of its own: the project's recipe of the family is found all the same.
     (tmp_path / "mine").mkdir()
-    with pytest.raises(ConfigError, match=f"is a qwen2 model: run {REPO}/recipes/qwen2_sft.py, with its YAML config "
-                                          f"from {REPO}/recipes/configs$"):
+    with pytest.raises(ConfigError, match=f"is a qwen2 model: {REPO}/recipes/qwen2_sft.py trains qwen2 models: run "
+                                          f"it \\(or a copy of it\\), with its YAML config from "
+                                          f"{REPO}/recipes/configs$"):
         check_model_type(parse_config(["--model_name_or_path", str(qwen2), "--dataset_name", "d"]), {"llama": None},
                          str(tmp_path / "mine" / "my_sft.py"))
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
@@ -474,13 +478,6 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
     assert split_recipe(hyphenated.read_text())[1::2] == shared
     assert ("output_dir: outputs/modernbert_decoder_sft\n" in
             (tmp_path / "recipes" / "configs" / "modernbert_decoder_sft.yaml").read_text())
-    # A model type a recipe already trains under another file name: a second recipe would lack its defaults.
-    shutil.copy(REPO / "recipes" / "gemma_sft.py", tmp_path / "recipes")
-    proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "gemma3_text", "--recipes_dir", tmp_path / "recipes"],
-               expect_rc=1)
-    assert proc.stderr == (f"error: {tmp_path}/recipes/gemma_sft.py already trains gemma3_text models: run it, with "
-                           f"its YAML config from {tmp_path}/recipes/configs\n")
-    assert not (tmp_path / "recipes" / "gemma3_text_sft.py").exists()
     # The README's own command, into the same folder.
     [command] = [c for c in readme_commands() if c.startswith("make new-recipe ")]
     run([*shlex.split(command), f"RECIPES_DIR={tmp_path / 'recipes'}", f"PYTHON={sys.executable}"])
@@ -599,6 +596,36 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
                                          "rewritten"):
         sync_recipes(str(tmp_path))
     assert (tmp_path / "gemma_sft.py").read_text() == outdated
+
+
+def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
+    """A second recipe of a family would lack its YAML config's defaults (Qwen3-MoE's router loss), and a new
+    recipe's files would overwrite another's: each is refused with what to do instead, and nothing is written."""
+    recipes = tmp_path / "recipes"
+    (recipes / "configs").mkdir(parents=True)
+    shutil.copy(REPO / "recipes" / "gemma_sft.py", recipes)
+    shutil.copy(REPO / "recipes" / "configs" / "gemma3_sft.yaml", recipes / "configs")
+
+    def refusal(model_type: str) -> str:
+        return run([sys.executable, "-m", "fsdp_recipes.new_recipe", model_type, "--recipes_dir", recipes],
+                   expect_rc=1).stderr
+
+    # A recipe of the folder trains it under another file name (gemma_sft.py: Gemma 3 text).
+    assert refusal("gemma3_text") == (f"error: {recipes}/gemma_sft.py trains gemma3_text models: run it (or a copy "
+                                      f"of it), with its YAML config from {recipes}/configs\n")
+    # Only the project's recipes/ trains it: the recipe is there.
+    assert refusal("qwen3_moe") == (f"error: {REPO}/recipes/qwen3_moe_sft.py trains qwen3_moe models: run it (or a "
+                                    f"copy of it), with its YAML config from {REPO}/recipes/configs\n")
+    # Gemma 1: the recipe of its file name is Gemma 2's and 3's.
+    assert refusal("gemma") == (f'error: add "gemma" to MODEL_TYPES in {recipes}/gemma_sft.py if its YAML config\'s '
+                                f'defaults suit it (`make new-recipe MODEL=gemma` cannot write that file: it exists), '
+                                f'or run the generic recipes/sft.py\n')
+    # A multimodal Gemma 3: the YAML config of its file name is Gemma 3 text's.
+    assert refusal("gemma3") == (f'error: run the generic recipes/sft.py, or add "gemma3" to the MODEL_TYPES of the '
+                                 f'recipe whose YAML config is {recipes}/configs/gemma3_sft.yaml (`make new-recipe '
+                                 f'MODEL=gemma3` cannot write that file: it exists)\n')
+    assert sorted(p.name for p in recipes.rglob("*")) == ["configs", "gemma3_sft.yaml", "gemma_sft.py"]
+    assert (recipes / "gemma_sft.py").read_text() == (REPO / "recipes" / "gemma_sft.py").read_text()
 
 
 def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
