@@ -59,13 +59,18 @@ report_to: none
 """
 
 
-def read_reference() -> str:
-    """llama_sft.py's source; it lives in the repository, not in the installed package."""
+def shared_part() -> tuple[str, str]:
+    """The head and tail of llama_sft.py, the shared part; it lives in the repository, not in the installed package."""
     if not os.path.isfile(REFERENCE):
         raise SystemExit(f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {REFERENCE} (an "
                          "installed package holds no recipes): run new_recipe from a clone of the repository")
     with open(REFERENCE) as f:
-        return f.read()
+        text = f.read()
+    try:
+        _, head, _, tail = split_recipe(text, REFERENCE)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return head, tail
 
 
 def is_recipe(text: str) -> bool:
@@ -73,10 +78,29 @@ def is_recipe(text: str) -> bool:
     return OWN_START in text and OWN_END in text
 
 
-def split_recipe(text: str) -> tuple[str, str, str, str]:
-    """(docstring, shared head, the recipe's own block, shared tail) of a recipe's source."""
-    doc_end = text.index('"""', text.index('"""') + 3) + 4
-    own_start, own_end = text.index(OWN_START), text.index(OWN_END)
+def split_recipe(text: str, path: str = "the recipe") -> tuple[str, str, str, str]:
+    """(docstring, shared head, the recipe's own block, shared tail) of a recipe's source; a ValueError that names
+    `path` and what to change if it lacks that layout. The docstring (with any lines before it, such as a shebang)
+    ends at its last line; each marker must start exactly one line after it, so a docstring may quote them."""
+    try:
+        module = ast.parse(text)
+    except SyntaxError as e:
+        raise ValueError(f"{path} is not valid Python (line {e.lineno}: {e.msg}): fix it") from None
+    if ast.get_docstring(module) is None:
+        raise ValueError(f"{path} holds a recipe's markers but does not start with its docstring, as every recipe "
+                         "does: add it")
+    doc_end = len("\n".join(text.split("\n")[:module.body[0].end_lineno])) + 1  # the newline after it too
+    starts = {}
+    for marker in (OWN_START, OWN_END):
+        found = [m.start() for m in re.finditer(f"^{re.escape(marker)}", text[doc_end:], re.MULTILINE)]
+        if len(found) != 1:
+            raise ValueError(f"{path} has {len(found)} lines that start with \"{marker}\" after its docstring, where "
+                             f"a recipe has one (see llama_sft.py): {'remove the others' if found else 'add it'}")
+        starts[marker] = doc_end + found[0]
+    own_start, own_end = starts[OWN_START], starts[OWN_END]
+    if own_end < own_start:
+        raise ValueError(f"{path} has its \"{OWN_END}\" line before its \"{OWN_START}\" line: the recipe's own "
+                         "block lies between them, as in llama_sft.py")
     return text[:doc_end], text[doc_end:own_start], text[own_start:own_end], text[own_end:]
 
 
@@ -136,7 +160,7 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     name = model_type.replace("-", "_")  # a file name Python can import: modernbert-decoder -> modernbert_decoder
     recipe = os.path.join(recipes_dir, f"{name}_sft.py")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
-    _, head, _, tail = split_recipe(read_reference())
+    head, tail = shared_part()
     values = {"model_type": model_type, "name": name, "own_start": OWN_START}
     os.makedirs(os.path.dirname(config), exist_ok=True)
     with open(recipe, "w") as f:
@@ -149,7 +173,7 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
 def sync_recipes(recipes_dir: str) -> tuple[list[str], list[str]]:
     """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed and the
     .py files skipped as not recipes (no markers around an own block: a helper module)."""
-    _, head, _, tail = split_recipe(read_reference())
+    head, tail = shared_part()
     updates, skipped = {}, []
     # Every file is read and split before any is written: a file that fails leaves the folder as it was.
     for name in sorted(os.listdir(recipes_dir)):
@@ -161,12 +185,19 @@ def sync_recipes(recipes_dir: str) -> tuple[list[str], list[str]]:
         if not is_recipe(text):
             skipped.append(path)
             continue
-        if not text.startswith('"""'):  # split_recipe keeps a recipe's docstring: it must come first
-            raise SystemExit(f"error: {path} holds a recipe's markers but does not start with its docstring, as "
-                             "every recipe does: add it; no recipe was rewritten")
-        doc, _, own, _ = split_recipe(text)
-        if doc + head + own + tail != text:
-            updates[path] = doc + head + own + tail
+        try:
+            doc, _, own, _ = split_recipe(text, path)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}; no recipe was rewritten") from None
+        synced = doc + head + own + tail
+        try:
+            ast.parse(synced)
+        except SyntaxError as e:  # markers inside a string or a bracket split a statement across the parts
+            raise SystemExit(f"error: {path} would not be valid Python once synced (line {e.lineno}: {e.msg}): its "
+                             "own block, between the markers, must hold whole statements, as llama_sft.py's does; no "
+                             "recipe was rewritten") from None
+        if synced != text:
+            updates[path] = synced
     for path, text in updates.items():
         with open(path, "w") as f:
             f.write(text)

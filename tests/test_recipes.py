@@ -2,6 +2,7 @@
 reloads with the trained weights; the model-specific traps are checked with numbers; the recipes share every line
 but their own; a model type without a recipe gets one from `make new-recipe` and runs through the generic path."""
 
+import ast
 import json
 import re
 import shlex
@@ -596,6 +597,42 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
                                          "rewritten"):
         sync_recipes(str(tmp_path))
     assert (tmp_path / "gemma_sft.py").read_text() == outdated
+
+
+def test_sync_splits_a_recipe_at_its_marker_lines_after_the_docstring(tmp_path):
+    """The docstring may quote a marker, follow a shebang, or use '''; a layout that cannot be split, or whose synced
+    text would not parse, stops the sync before any recipe is rewritten, with what to change."""
+    doc, head, own, tail = split_recipe((REPO / "recipes" / "gemma_sft.py").read_text())
+    stale_tail = tail.replace("    plan = resolve_plan(cfg)\n", "")
+    assert doc.count('\n"""\n') == 1 and stale_tail != tail
+    quoting = doc.replace('\n"""\n', f'\n{OWN_START} opens the block below.\n"""\n')
+    synced = {"quoting_sft.py": quoting + head + own + tail,
+              "shebang_sft.py": "#!/usr/bin/env python\n" + doc.replace('"""', "'''") + head + own + tail}
+    for name, text in synced.items():
+        (tmp_path / name).write_text(text.replace(tail, stale_tail))
+    assert sync_recipes(str(tmp_path)) == ([str(tmp_path / name) for name in synced], [])
+    for name, text in synced.items():
+        assert (tmp_path / name).read_text() == text
+        ast.parse(text)
+
+    end_line, rest = tail.split("\n", 1)
+    stale = doc + head + own + stale_tail
+    for broken, problem in [
+            (doc + head + own + own + tail, f'has 2 lines that start with "{re.escape(OWN_START)}" after its '
+                                            r'docstring, where a recipe has one \(see llama_sft.py\): remove the '
+                                            r'others'),
+            (doc + head + tail + own, f'has its "{re.escape(OWN_END)}" line before its "{re.escape(OWN_START)}" '
+                                      "line: the recipe's own block lies between them, as in llama_sft.py"),
+            # The shared part's end marker inside a string that the old shared part closes.
+            (doc + head + own + 'NOTE = """\n' + end_line + '\n"""\n' + rest,
+             r"would not be valid Python once synced \(line \d+: .*\): its own block, between the markers, must "
+             r"hold whole statements, as llama_sft.py's does"),
+            (doc + head + own + tail + "def broken(:\n", r"is not valid Python \(line \d+: .*\): fix it")]:
+        (tmp_path / "quoting_sft.py").write_text(stale)
+        (tmp_path / "shebang_sft.py").write_text(broken)
+        with pytest.raises(SystemExit, match=f"^error: {tmp_path}/shebang_sft.py {problem}; no recipe was rewritten$"):
+            sync_recipes(str(tmp_path))
+        assert (tmp_path / "quoting_sft.py").read_text() == stale
 
 
 def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
