@@ -6,8 +6,9 @@
 MODEL is the model_type of the family's config.json; a hyphen in it (modernbert-decoder) becomes an underscore in
 the file names. The new recipe takes every shared line from llama_sft.py, so it passes tests/test_recipes.py's check
 that the shared part of all recipes is identical. After a change to the shared part of llama_sft.py, --sync copies it
-into every other recipe (each keeps its docstring and own block); a .py file without a recipe's markers (a helper
-module) is skipped. Both need the repository's recipes/llama_sft.py: run them from a clone.
+into every other recipe (each keeps its docstring and own block; edits to its shared part are replaced, and printed
+as a diff); a .py file without a recipe's markers (a helper module) is skipped. Both need the repository's
+recipes/llama_sft.py: run them from a clone.
 Standard library only: it runs before any environment is installed.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import os
 import re
 
@@ -170,9 +172,10 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     return recipe, config
 
 
-def sync_recipes(recipes_dir: str) -> tuple[list[str], list[str]]:
-    """Give every recipe in recipes_dir the shared part of llama_sft.py; return the recipes that changed and the
-    .py files skipped as not recipes (no markers around an own block: a helper module)."""
+def sync_recipes(recipes_dir: str) -> tuple[dict[str, str], list[str]]:
+    """Give every recipe in recipes_dir the shared part of llama_sft.py, edits to its shared part included; return
+    the recipes that changed, each with the unified diff of what was replaced, and the .py files skipped as not
+    recipes (no markers around an own block: a helper module)."""
     head, tail = shared_part()
     updates, skipped = {}, []
     # Every file is read and split before any is written: a file that fails leaves the folder as it was.
@@ -197,11 +200,12 @@ def sync_recipes(recipes_dir: str) -> tuple[list[str], list[str]]:
                              "own block, between the markers, must hold whole statements, as llama_sft.py's does; no "
                              "recipe was rewritten") from None
         if synced != text:
-            updates[path] = synced
-    for path, text in updates.items():
+            updates[path] = synced, "".join(difflib.unified_diff(
+                text.splitlines(keepends=True), synced.splitlines(keepends=True), path, f"{path} (synced)"))
+    for path, (text, _) in updates.items():
         with open(path, "w") as f:
             f.write(text)
-    return list(updates), skipped
+    return {path: diff for path, (_, diff) in updates.items()}, skipped
 
 
 def main() -> None:
@@ -213,9 +217,12 @@ def main() -> None:
     if args.sync == bool(args.model_type):
         parser.error("give a model_type, or --sync")
     if args.sync:
-        paths, skipped = sync_recipes(args.recipes_dir)
+        diffs, skipped = sync_recipes(args.recipes_dir)
         for path in skipped:
             print(f"skipped {path}: not a recipe (no \"{OWN_START}\" and \"{OWN_END}\" markers)")
+        for diff in diffs.values():  # what the sync replaced, a user's edits to a shared part included
+            print(diff, end="")
+        paths = list(diffs)
     else:
         paths = new_recipe(args.model_type, args.recipes_dir)
     for path in paths:

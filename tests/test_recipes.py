@@ -584,11 +584,16 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
     (tmp_path / "llama_sft.py").symlink_to(REPO / "recipes" / "llama_sft.py")  # the reference is not rewritten
     (tmp_path / "helpers.py").write_text("STOP_WORDS = ()\n")  # a module the recipes import: not a recipe
     proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir", tmp_path])
+    # What it replaced is printed, as a diff: here the line the outdated copy lacks (an edit would show as well).
+    lines = gemma.splitlines()
+    at = lines.index("    plan = resolve_plan(cfg)")
     assert proc.stdout.splitlines() == [
         f'skipped {tmp_path}/helpers.py: not a recipe (no "{OWN_START}" and "{OWN_END}" markers)',
+        f"--- {tmp_path}/gemma_sft.py", f"+++ {tmp_path}/gemma_sft.py (synced)", f"@@ -{at - 2},6 +{at - 2},7 @@",
+        *(f" {line}" for line in lines[at - 3:at]), f"+{lines[at]}", *(f" {line}" for line in lines[at + 1:at + 4]),
         f"wrote {tmp_path}/gemma_sft.py"]
     assert (tmp_path / "gemma_sft.py").read_text() == gemma
-    assert sync_recipes(str(tmp_path)) == ([], [str(tmp_path / "helpers.py")])
+    assert sync_recipes(str(tmp_path)) == ({}, [str(tmp_path / "helpers.py")])
     # A file that fails the check stops the sync before any recipe is rewritten, whatever their order.
     (tmp_path / "gemma_sft.py").write_text(outdated)
     (tmp_path / "phi3_sft.py").write_text("".join(split_recipe(gemma)[1:]))  # markers, but no docstring
@@ -610,7 +615,7 @@ def test_sync_splits_a_recipe_at_its_marker_lines_after_the_docstring(tmp_path):
               "shebang_sft.py": "#!/usr/bin/env python\n" + doc.replace('"""', "'''") + head + own + tail}
     for name, text in synced.items():
         (tmp_path / name).write_text(text.replace(tail, stale_tail))
-    assert sync_recipes(str(tmp_path)) == ([str(tmp_path / name) for name in synced], [])
+    assert list(sync_recipes(str(tmp_path))[0]) == [str(tmp_path / name) for name in synced]
     for name, text in synced.items():
         assert (tmp_path / name).read_text() == text
         ast.parse(text)
