@@ -40,6 +40,7 @@ USABLE_SHARE = 0.9
 # As fsdp2.mixed_precision_policy and sharding.MASTER_DTYPE set them: compute in param_dtype, reduce in reduce_dtype.
 COMPUTE_DTYPE = {"bf16": torch.bfloat16, "no": torch.float32, "pure_bf16": torch.bfloat16}
 REDUCE_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
+ATTENTION = ("sdpa", "flash_attention_2", "flex_attention", "eager")  # those whose saved activations are measured
 
 
 @dataclass(frozen=True)
@@ -393,8 +394,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (recipe default)")
     parser.add_argument("--gpu_memory", type=float, default=80, help="GiB per GPU, for what fits (default 80)")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
-    parser.add_argument("--attn_implementation", choices=["sdpa", "flash_attention_2", "flex_attention", "eager"],
-                        default="sdpa", help="as the recipe key; eager keeps the L x L scores")
+    parser.add_argument("--attn_implementation", choices=ATTENTION, default="sdpa",
+                        help="as the recipe key; eager keeps the L x L scores")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="run the model code the checkpoint ships (as the recipe key)")
     args = parser.parse_args(argv)
@@ -416,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
-                          f"{' or '.join(allowed)} (see fsdp_recipes/families.py), not {args.attn_implementation}")
+                          f"{' or '.join(a for a in allowed if a in ATTENTION)} (see fsdp_recipes/families.py), not "
+                          f"{args.attn_implementation}")
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
                                 args.trust_remote_code)

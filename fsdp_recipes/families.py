@@ -12,9 +12,11 @@ from .config import ConfigError, TrainConfig
 from .new_recipe import recipe_advice
 
 
-# The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma): transformers 5.17 runs
-# sdpa without it, later versions refuse sdpa for Gemma 2 only.
-SOFT_CAPPING_ATTENTION = ("eager", "flash_attention_2", "flex_attention")
+# The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma). eager and flex_attention
+# compute it; transformers gives it to every flash_attention_* kernel (its Hub fallback too), or raises where the
+# kernel takes no softcap (modeling_flash_attention_utils, 5.24). sdpa skips it (transformers 5.17; later versions
+# refuse it), and a Hub kernel (org/repo) may register an attention function of its own, which no check covers.
+SOFT_CAPPING_ATTENTION = ("eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
 
 
 def exact_attention(config) -> tuple[str, ...] | None:

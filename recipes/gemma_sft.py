@@ -8,8 +8,8 @@ Gemma 2: recipes/configs/gemma2_sft.yaml. What is particular to Gemma, and teste
   scaled by sqrt(hidden_size): Gemma 3 keeps the factor in a non-persistent buffer, which rank-0 loading
   (fsdp_cpu_ram_efficient_loading) restores after the meta-device build.
 - Gemma 2 soft-caps attention scores (50) and final logits (30). sdpa cannot soft-cap attention (transformers 5.17
-  runs it without the cap, later versions refuse it), so Gemma 2 needs eager, flash_attention_2 or flex_attention
-  (also when loading the exported folder); the loss is computed from the model's capped logits.
+  runs it without the cap, later versions refuse it), so Gemma 2 needs eager, flex_attention or flash_attention_2, 3
+  or 4 (also when loading the exported folder); the loss is computed from the model's capped logits.
 - Sliding-window attention on alternate layers (Gemma 2) or 5 of every 6 (Gemma 3).
 - The chat templates have no system role: Gemma 2's raises an error on one, Gemma 3's merges it into the first
   user turn.

@@ -314,9 +314,16 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     generic = ["--config", "recipes/configs/sft.yaml", "--model_name_or_path", str(gemma2), "--dataset_name", "d"]
     check_model_type(parse_config(generic + ["--attn_implementation", "eager"]), None, "recipes/sft.py")
     with pytest.raises(ConfigError, match=r"gemma2 models need attn_implementation eager or flash_attention_2 or "
-                                          r"flex_attention \(see fsdp_recipes/families.py: attention soft-capping\), "
-                                          r"got sdpa"):
+                                          r"flash_attention_3 or flash_attention_4 or flex_attention \(see "
+                                          r"fsdp_recipes/families.py: attention soft-capping\), got sdpa"):
         check_model_type(parse_config(generic), None, "recipes/sft.py")
+    # transformers passes the cap to every flash_attention_* kernel, or raises; a Hub kernel may bypass that check.
+    for attn in ("flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention"):
+        check_model_type(parse_config([*generic, "--attn_implementation", attn]), None, "recipes/sft.py")
+    with pytest.raises(ConfigError, match="gemma2 models need attn_implementation eager or .* got "
+                                          "kernels-community/flash-attn3$"):
+        check_model_type(parse_config([*generic, "--attn_implementation", "kernels-community/flash-attn3"]), None,
+                         "recipes/sft.py")
     # Whatever the model type: VaultGemma soft-caps its attention too; Gemma 3 does not.
     vaultgemma = write_model(tmp_path / "vaultgemma", VaultGemmaConfig(**TINY))
     with pytest.raises(ConfigError, match=r"vaultgemma models need attn_implementation eager or"):
