@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
+import sys
 import time
 
 import torch
@@ -187,11 +189,12 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
     if left:
         # A recipe copied before checkpoint.remove_earlier_run existed: retention would mix the two runs' checkpoints.
+        recipes_dir = os.path.dirname(os.path.abspath(sys.argv[0]))  # the running recipe's folder, wherever copied
         raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
                           f"earlier run: the recipe must call "
                           f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
-                          f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes "
-                          f"in recipes/")
+                          f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
+                          f"{recipes_dir}` updates the recipes there")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     if cfg.packing:
         check_packing_separates_examples(model, cfg, env.device)

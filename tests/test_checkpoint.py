@@ -1076,8 +1076,11 @@ def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, 
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: overwrite_output_dir true, but {tmp_path / 'out'} still holds checkpoint-8 of the earlier run: the "
         f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
-        f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync` updates the recipes in recipes/")
+        f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir {tmp_path}` updates the "
+        f"recipes there")
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-8"]
+    run([sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir", tmp_path])  # as the error says
+    assert call in stale.read_text()
 
 
 def test_resume_with_dropout_gives_bit_equal_losses(dropout_run, tmp_path):
