@@ -27,8 +27,8 @@ OWN_END = "# ---- Shared by every recipe"
 
 RECIPE_DOC = '''"""Supervised fine-tuning of {model_type} models with FSDP, exported as a Hugging Face folder.
 
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/{name}_sft.py \\
-        --config recipes/configs/{name}_sft.yaml --model_name_or_path <hub id> --dataset_name <data>
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml {recipe} \\
+        --config {config} --model_name_or_path <hub id> --dataset_name <data>
 
 Created by `make new-recipe MODEL={model_type}`. Set the hub id and the defaults in the YAML config; if the model
 needs particular attention implementations, list them in MODEL_TYPES below. The shared part stays as it is.
@@ -163,7 +163,10 @@ def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     recipe = os.path.join(recipes_dir, f"{name}_sft.py")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
     head, tail = shared_part()
-    values = {"model_type": model_type, "name": name, "own_start": OWN_START}
+    # The docstring's command runs from the repository's root: a path inside it relative to it, any other absolute.
+    shown = {key: os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+             for key, path in (("recipe", os.path.abspath(recipe)), ("config", os.path.abspath(config)))}
+    values = {"model_type": model_type, "name": name, "own_start": OWN_START, **shown}
     os.makedirs(os.path.dirname(config), exist_ok=True)
     with open(recipe, "w") as f:
         f.write(RECIPE_DOC.format(**values) + head + OWN_BLOCK.format(**values) + tail)

@@ -478,6 +478,9 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
                               "--model_name_or_path", str(model_dir), "--dataset_name", str(data)])
     check_model_type(generated, {"biogpt": None}, str(recipe))
     assert "MODEL_TYPES = {\"biogpt\": None}" in split_recipe(recipe.read_text())[2]
+    # Its docstring's command names the files where they are.
+    assert (f"accelerate_configs/fsdp2.yaml {recipe} \\\n        --config {tmp_path}/recipes/configs/biogpt_sft.yaml "
+            in split_recipe(recipe.read_text())[0])
     # A model type with a hyphen, as config.json spells it; the file names take an underscore.
     run(["make", "new-recipe", "MODEL=modernbert-decoder", f"RECIPES_DIR={tmp_path / 'recipes'}",
          f"PYTHON={sys.executable}"])
