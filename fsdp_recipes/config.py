@@ -477,7 +477,9 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     cfg = config_cls(**{**values, **nulls})
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
     given |= {key.removeprefix("no_") for key in given}  # HfArgumentParser's --no_<key> for a boolean that is true
-    check_keys_take_effect(cfg, set(yaml_values), given | set(nulls))
+    raw = {**values, **nulls}  # as given: __post_init__ fills some defaults in (per_device_eval_batch_size)
+    set_keys = {key for key in set(yaml_values) | given if raw.get(key) is not None}  # null: left unset
+    check_keys_take_effect(cfg, set_keys, given | set(nulls))
     return cfg
 
 
@@ -498,13 +500,13 @@ FEATURE_KEYS = {
 }
 
 
-def check_keys_take_effect(cfg: TrainConfig, yaml_keys: set[str], command_line_keys: set[str]) -> None:
-    """A key set in the YAML or on the command line whose feature is off would be silently ignored: refused. One
-    exception: a command line that turns a feature off (`--report_to none` over a YAML that logs to W&B) leaves the
-    YAML's keys for that feature alone, as it says in so many words that they do not apply."""
+def check_keys_take_effect(cfg: TrainConfig, set_keys: set[str], command_line_keys: set[str]) -> None:
+    """A key set (not to null) in the YAML or on the command line whose feature is off would be silently ignored:
+    refused. One exception: a command line that turns a feature off (`--report_to none` over a YAML that logs to
+    W&B) leaves the YAML's keys for that feature alone, as it says in so many words that they do not apply."""
     for key, (what, is_on, switches, why_off, how) in FEATURE_KEYS.items():
         turned_off_on_command_line = key not in command_line_keys and command_line_keys & switches
-        if key in yaml_keys | command_line_keys and not is_on(cfg) and not turned_off_on_command_line:
+        if key in set_keys and not is_on(cfg) and not turned_off_on_command_line:
             raise ConfigError(f"{key} {what}, and {why_off}: {how}, or leave {key} unset")
 
 

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from .config import ConfigError, TrainConfig
 from .distributed import run_on_rank0
+from .families import model_load_error
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
 
@@ -74,13 +75,16 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
 def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
     overrides, saved_values = model_config_overrides(cfg)
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model_name_or_path,
-        dtype=dtype,
-        attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-        **overrides,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model_name_or_path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **overrides,
+        )
+    except OSError as error:  # a file the folder lacks (weights, the model code its auto_map names): one line
+        raise ConfigError(model_load_error(cfg.model_name_or_path, error)) from error
     set_use_cache(model.config, False)  # the KV cache only costs memory in training
     model.config_for_export = saved_values  # see export.write_model_files
     return model
@@ -117,9 +121,11 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     config.update(overrides)
     # Buffers stay real: non-persistent ones (rotary frequencies) are computed here, not read from the checkpoint.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
-        )
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                                                     trust_remote_code=cfg.trust_remote_code)
+        except OSError as error:  # the model code its auto_map names, missing from the folder
+            raise ConfigError(model_load_error(cfg.model_name_or_path, error)) from error
     set_use_cache(model.config, False)  # as load_model: after the generation config was derived from it
     model.config_for_export = saved_values
     if model.can_generate():

@@ -148,7 +148,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                               f"run (they apply FSDP): launch with an FSDP config, e.g. accelerate_configs/{config}")
     # Both exported by `accelerate launch`, and applied only by accelerate's own Accelerator, which the recipes
     # do not create.
-    if os.environ.get("ACCELERATE_CPU_AFFINITY") == "1":
+    if _env_bool("ACCELERATE_CPU_AFFINITY"):
         raise ConfigError("accelerate launch --enable_cpu_affinity is not applied (accelerate sets the affinity in its "
                           "own Accelerator, which these recipes do not use): remove it")
     if _env_bool("ACCELERATE_DEBUG_MODE"):

@@ -164,6 +164,10 @@ def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the
     with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
         parse_config(["--config", cfg_file, "--report_to", "none", "--wandb_project", "q"])
     # The feature off in the YAML itself: refused.
+    # Set to null, as the error says: left unset, in the YAML or on the command line.
+    unset = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nrun_name: null\n")
+    assert parse_config(["--config", unset, "--per_device_eval_batch_size", "null"]).run_name is None
+    assert parse_config(["--config", cfg_file, "--report_to", "none", "--run_name", "null"]).run_name is None
     off = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nreport_to: none\nwandb_project: p\n")
     with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
         parse_config(["--config", off])

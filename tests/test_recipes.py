@@ -31,8 +31,9 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
-from fsdp_recipes.model import load_model, load_tokenizer
+from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
+from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import check_packed_router_loss, forward_backward
 
@@ -713,6 +714,20 @@ def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
     assert str(error.value) == (f"model_name_or_path {tmp_path}/custom: its config.json runs model code from "
                                 f"configuration_my_custom.py (auto_map), which the folder lacks: copy the model's .py "
                                 f"files beside its config.json")
+    # The configuration code there, the model code not: found at the model load, said the same way.
+    (tmp_path / "custom" / "configuration_my_custom.py").write_text(
+        "from transformers import PretrainedConfig\n\n\nclass MyConfig(PretrainedConfig):\n    model_type = 'my_custom'\n")
+    (tmp_path / "custom" / "config.json").write_text(json.dumps(
+        {"model_type": "my_custom", "auto_map": {"AutoConfig": "configuration_my_custom.MyConfig",
+                                                 "AutoModelForCausalLM": "modeling_my_custom.MyForCausalLM"}}))
+    check_model_type(parse_config(args), None, "recipes/sft.py")
+    for rank0_loads in ("false", "true"):
+        with pytest.raises(ConfigError) as error:
+            run_cfg = parse_config([*args, "--fsdp_cpu_ram_efficient_loading", rank0_loads])
+            load_sharded_model(run_cfg, resolve_plan(run_cfg), torch.device("cpu"))
+        assert str(error.value) == (f"model_name_or_path {tmp_path}/custom: its config.json runs model code from "
+                                    f"modeling_my_custom.py (auto_map), which the folder lacks: copy the model's .py "
+                                    f"files beside its config.json")
     # A folder without config.json: transformers' words are about a model_type key in it.
     (tmp_path / "weights_only").mkdir()
     with pytest.raises(ConfigError) as error:
