@@ -305,9 +305,20 @@ def check_held_out(name: str, config_name: Optional[str], split: str, eval_split
     if not names(split) & names(eval_split):
         return
     lengths = {s: len(load_split(name, config_name, s)) for s in names(split) | names(eval_split)}  # cached reads
-    rows = lambda spec: _parse_split(name, spec).to_absolute(lengths)
-    overlap = sum(max(0, min(a.to, b.to) - max(a.from_, b.from_))
-                  for a in rows(split) for b in rows(eval_split) if a.splitname == b.splitname)
+
+    def spans(spec) -> list[tuple[str, int, int]]:
+        """The rows `spec` selects, as disjoint (split, start, end) spans: a row selected twice counts once."""
+        merged = []
+        for r in sorted(_parse_split(name, spec).to_absolute(lengths), key=lambda r: (r.splitname, r.from_)):
+            if merged and merged[-1][0] == r.splitname and r.from_ <= merged[-1][2]:
+                merged[-1] = (r.splitname, merged[-1][1], max(merged[-1][2], r.to))
+            else:
+                merged.append((r.splitname, r.from_, r.to))
+        return merged
+
+    overlap = sum(max(0, min(a_end, b_end) - max(a_start, b_start))
+                  for a_split, a_start, a_end in spans(split) for b_split, b_start, b_end in spans(eval_split)
+                  if a_split == b_split)
     if overlap:
         raise ConfigError(f"{name}: eval_split '{eval_split}' and dataset_split '{split}' share {overlap} rows, which "
                           f"the evaluation would report as held out: {advice}")

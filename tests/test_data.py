@@ -1037,7 +1037,8 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
     for path, split, eval_split, shared in [("d.jsonl", "train", "train[90%:]", 4),
                                             ("single", "train[:80%]", "train[75%:]", 2),
                                             ("dict", "train[10:20]+test", "test[:50%]", 5),
-                                            ("dict", "train", "train", 30)]:
+                                            ("dict", "train", "train", 30),
+                                            ("d.jsonl", "train[:50%]+train[:50%]", "train[40%:60%]", 4)]:
         with pytest.raises(ConfigError) as error:
             build_datasets(cfg(tmp_path / path, dataset_split=split, eval_split=eval_split), TOKENIZER)
         assert str(error.value) == (
