@@ -473,12 +473,12 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
             raise _unknown_key_error(arg[2:].split("=")[0], "the command line", field_names)
     if remaining:
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
-    values = {k: v for k, v in vars(namespace).items() if k in field_names}
-    cfg = config_cls(**{**values, **nulls})
+    values = {**{k: v for k, v in vars(namespace).items() if k in field_names}, **nulls}
+    cfg = config_cls(**values)
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
     given |= {key.removeprefix("no_") for key in given}  # HfArgumentParser's --no_<key> for a boolean that is true
-    raw = {**values, **nulls}  # as given: __post_init__ fills some defaults in (per_device_eval_batch_size)
-    set_keys = {key for key in set(yaml_values) | given if raw.get(key) is not None}  # null: left unset
+    # The values as given (__post_init__ fills some defaults in: per_device_eval_batch_size); null is left unset.
+    set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
     check_keys_take_effect(cfg, set_keys, given | set(nulls))
     return cfg
 
