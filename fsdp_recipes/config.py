@@ -171,10 +171,11 @@ class TrainConfig:
         metadata={"help": "Prompts that rank 0 answers greedily with the exported model at the end of the run."},
     )
     generation_max_new_tokens: int = field(default=64, metadata={"help": "Longest generated answer, in tokens."})
-    generation_use_chat_template: bool = field(
-        default=True,
-        metadata={"help": "Send each prompt as a user turn through the tokenizer's chat template; false: as plain "
-                          "text after the BOS token."},
+    generation_use_chat_template: Optional[bool] = field(
+        default=None,
+        metadata={"help": "true: send each prompt as a user turn through the tokenizer's chat template; false: as "
+                          "plain text after the BOS token. Default: as the data were trained (chat and instruction "
+                          "data: true; prompt/completion and text data: false)."},
     )
 
     # Speed (see README, "Performance").
@@ -476,7 +477,6 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     values = {**{k: v for k, v in vars(namespace).items() if k in field_names}, **nulls}
     cfg = config_cls(**values)
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
-    given |= {key.removeprefix("no_") for key in given}  # HfArgumentParser's --no_<key> for a boolean that is true
     # The values as given (__post_init__ fills some defaults in: per_device_eval_batch_size); null is left unset.
     set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
     check_keys_take_effect(cfg, set_keys, given | set(nulls))

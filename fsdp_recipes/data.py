@@ -138,6 +138,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     splits = per_source(cfg.dataset_split, names, "dataset_split")
     eval_splits = per_source(cfg.eval_split, names, "eval_split")
 
+    formats = set()
+
     def build():
         sources = load_sources(names, config_names, splits, eval_splits,
                                parse_column_mapping(cfg.dataset_column_mapping))
@@ -146,6 +148,7 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                                                                            sources):
             # Tokenized before the eval carve so that an error names the row of the split.
             train = _tokenize(raw_train, tokenizer, cfg, f"{name} [{split}]")
+            formats.add(detect_format(raw_train.column_names, cfg.dataset_format))
             if raw_eval is not None:
                 eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, f"{name} [{eval_split}]"))
             elif cfg.eval_fraction > 0:
@@ -166,6 +169,14 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         return train, eval_set
 
     train, eval_set = on_rank0_first(build)
+    if cfg.generation_prompts and cfg.generation_use_chat_template is None:
+        # Prompted as the data were trained: a model trained on prompt/completion data never saw the template.
+        templated = {fmt in ("chat", "instruction") for fmt in formats}
+        if len(templated) > 1:
+            raise ConfigError("generation_prompts: the data sets mix chat or instruction data (trained through the "
+                              "chat template) with prompt/completion or text data (plain text): set "
+                              "generation_use_chat_template true or false to say how the prompts are sent")
+        cfg.generation_use_chat_template = templated.pop()
     if cfg.generation_prompts and cfg.generation_use_chat_template and tokenizer.chat_template is None:
         # Found now, not when the samples are generated after training.
         raise ConfigError("generation_prompts go through the tokenizer's chat template (generation_use_chat_template "

@@ -39,8 +39,9 @@ def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, us
         else:
             text = (tokenizer.bos_token or "") + prompt
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+        # The tokenizer: transformers needs it for a generation config's stop_strings.
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
+                                pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
         completion = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         samples.append({"prompt": prompt, "completion": completion})
     return samples

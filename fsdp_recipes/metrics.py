@@ -6,6 +6,7 @@ checkpoint continues the same W&B run there, on the same step axis (the optimize
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -117,9 +118,12 @@ class MetricsLogger:
         return dict(zip(WANDB_STATE_KEYS, (self.wandb_run.id, self.wandb_run.project, self.wandb_run.entity)))
 
     def start_at(self, step: int) -> None:
-        """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest."""
+        """Keep the lines of steps up to `step` (those a resumed run does not repeat), drop the rest; remove the
+        samples of an earlier run's final/, which this run replaces (its own samples, if any, follow its final/)."""
         if not self.is_main:
             return
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(os.path.dirname(self.path), "samples.jsonl"))
         self.last_step = step  # the W&B step of samples logged before any other event (a resume that only finishes)
         kept = []
         if step > 0 and os.path.exists(self.path):

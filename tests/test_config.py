@@ -88,8 +88,6 @@ def test_unknown_cli_flag_is_named():
          "generation_prompts, or leave generation_max_new_tokens unset"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--generation-use-chat-template=false"],
          "generation_use_chat_template applies to sample generation, and generation_prompts is unset"),
-        (["--model_name_or_path", "m", "--dataset_name", "d", "--no_generation_use_chat_template"],
-         "generation_use_chat_template applies to sample generation, and generation_prompts is unset"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_sync", "last_micro_batch"],
          "gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a step, and "
          "gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above 1, or gradient_sync "

@@ -897,9 +897,27 @@ def test_the_default_chat_template_is_given_for_chat_data_only(tmp_path, capsys)
     with pytest.raises(ConfigError, match=r"^generation_prompts go through the tokenizer's chat template "
                                           r"\(generation_use_chat_template true\), and it has none: .*; set "
                                           r"generation_use_chat_template false to send the prompts as plain text$"):
-        build_datasets(cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"]), tokenizer)
+        build_datasets(cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"], generation_use_chat_template=True),
+                       tokenizer)
     build_datasets(cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"], generation_use_chat_template=False),
                    tokenizer)
+
+
+def test_samples_are_prompted_as_the_data_were_trained_unless_the_config_says(tmp_path):
+    """A model trained on prompt/completion data never saw the chat template, even where its tokenizer has one."""
+    demo.write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 4)
+    demo.write_jsonl(tmp_path / "pc.jsonl", ROWS)
+    for data, expected in [("pc.jsonl", False), ("chat.jsonl", True)]:
+        run = cfg(tmp_path / data, generation_prompts=["a1"])
+        build_datasets(run, demo.build_tokenizer())  # the demo tokenizer has a chat template
+        assert run.generation_use_chat_template is expected
+    run = cfg(tmp_path / "pc.jsonl", generation_prompts=["a1"], generation_use_chat_template=True)
+    build_datasets(run, demo.build_tokenizer())
+    assert run.generation_use_chat_template is True
+    with pytest.raises(ConfigError, match=r"^generation_prompts: the data sets mix chat or instruction data .* set "
+                                          r"generation_use_chat_template true or false"):
+        build_datasets(cfg(f"{tmp_path}/pc.jsonl,{tmp_path}/chat.jsonl", generation_prompts=["a1"]),
+                       demo.build_tokenizer())
 
 
 def cfg(dataset_name, **kw) -> TrainConfig:

@@ -36,8 +36,29 @@ def test_a_run_generates_with_its_attention_implementation(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     cfg = parse_config(["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", "d", "--output_dir",
                         str(tmp_path / "run"), "--attn_implementation", "eager", "--generation_prompts",
-                        "reverse: abcdef", "reverse: hello", "--generation_max_new_tokens", "12"])
+                        "reverse: abcdef", "reverse: hello", "--generation_max_new_tokens", "12",
+                        "--generation_use_chat_template", "true"])
     log_sample_generations(cfg, str(tmp_path / "model"), torch.device("cpu"), MetricsLogger(cfg, is_main=True))
     written = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     eager = generate_samples(str(tmp_path / "model"), cfg.generation_prompts, 12, True, torch.device("cpu"), "eager")
     assert written == eager and len(written) == 2
+
+
+def test_samples_stop_at_the_stop_strings_of_the_folders_generation_config(tiny, tmp_path):
+    """transformers needs the tokenizer for stop_strings: without it, generation fails after the whole run."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = shutil.copytree(tiny["model"], tmp_path / "model")
+    generation_config = GenerationConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer("reverse: abc", return_tensors="pt")["input_ids"]
+    free = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    stop = tokenizer.decode(free[0, ids.shape[1] + 2:ids.shape[1] + 3])  # a string the answer reaches
+    generation_config.stop_strings = [stop]
+    generation_config.save_pretrained(folder)
+    [sample] = generate_samples(str(folder), ["reverse: abc"], 8, False, torch.device("cpu"), "sdpa")
+    assert sample["completion"].endswith(stop) and len(sample["completion"]) < len(tokenizer.decode(
+        free[0, ids.shape[1]:], skip_special_tokens=True))

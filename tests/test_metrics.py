@@ -234,10 +234,13 @@ def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
                                          str(tmp_path)]), is_main=True)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n'
                                             '{"step": 3, "loss": 2.0}\n{"step": 4, "lo')
+    (tmp_path / "samples.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     logger.start_at(3)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
                                                         {"step": 3, "loss": 2.0}]
     assert logger.last_step == 3  # the W&B step of samples a resume that only finishes the run logs
+    # The earlier run's samples describe a final/ this run replaces: gone, even if this run generates none.
+    assert not (tmp_path / "samples.jsonl").exists()
 
 
 def test_metrics_lines_are_strict_json_and_a_nan_loss_has_a_nan_perplexity(tmp_path):
