@@ -4,6 +4,7 @@ but their own; a model type without a recipe gets one from `make new-recipe` and
 
 import ast
 import json
+import os
 import re
 import shlex
 import shutil
@@ -479,8 +480,11 @@ def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_reci
                               "--model_name_or_path", str(model_dir), "--dataset_name", str(data)])
     check_model_type(generated, {"biogpt": None}, str(recipe))
     assert "MODEL_TYPES = {\"biogpt\": None}" in split_recipe(recipe.read_text())[2]
-    # Its docstring's command names the files where they are.
-    assert (f"accelerate_configs/fsdp2.yaml {recipe} \\\n        --config {tmp_path}/recipes/configs/biogpt_sft.yaml "
+    # Its docstring's command names the files where they are (relative to the repository's root inside it, as the
+    # tests' temporary folders are under `make test`).
+    shown = lambda path: os.path.relpath(path, REPO) if str(path).startswith(f"{REPO}{os.sep}") else str(path)
+    config_yaml = tmp_path / "recipes" / "configs" / "biogpt_sft.yaml"
+    assert (f"accelerate_configs/fsdp2.yaml {shown(recipe)} \\\n        --config {shown(config_yaml)} "
             in split_recipe(recipe.read_text())[0])
     # A model type with a hyphen, as config.json spells it; the file names take an underscore.
     run(["make", "new-recipe", "MODEL=modernbert-decoder", f"RECIPES_DIR={tmp_path / 'recipes'}",
