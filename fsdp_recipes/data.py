@@ -38,8 +38,9 @@ def _tokenize_row(example: dict, index: int, data_code: str, **kwargs) -> dict:
     return tokenize_example(example, row=index + 1, **kwargs)
 
 
-def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> datasets.Dataset:
-    """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts."""
+def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> tuple[datasets.Dataset, str]:
+    """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts.
+    Returns the examples kept and the format they were read as."""
     try:
         fmt = detect_format(raw.column_names, cfg.dataset_format)
         if fmt in ("chat", "instruction") and tokenizer.chat_template is None:
@@ -78,7 +79,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> 
                               f"the loss is on assistant turns: name the model's turns assistant (and the user's "
                               f"user), or set completion_only_loss false")
         raise ConfigError(f"{what}: no example is left to train on (see the counts above)")
-    return kept
+    return kept, fmt
 
 
 def pack_examples(batch: dict[str, list], max_seq_length: int) -> dict[str, list]:
@@ -147,10 +148,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
                                                                            sources):
             # Tokenized before the eval carve so that an error names the row of the split.
-            train = _tokenize(raw_train, tokenizer, cfg, f"{name} [{split}]")
-            formats.add(detect_format(raw_train.column_names, cfg.dataset_format))
+            train, fmt = _tokenize(raw_train, tokenizer, cfg, f"{name} [{split}]")
+            formats.add(fmt)
             if raw_eval is not None:
-                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, f"{name} [{eval_split}]"))
+                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, f"{name} [{eval_split}]")[0])
             elif cfg.eval_fraction > 0:
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)
