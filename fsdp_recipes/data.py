@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
 from .data_sources import (carve_eval, load_sources, parse_column_mapping, parse_weights, per_source,
-                           weighted_sample)
+                           row_origin, weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .sharding import reshard
 
@@ -33,14 +33,23 @@ DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_byt
                                          for name in ("data.py", "data_formats.py", "data_sources.py"))).hexdigest()
 
 
-def _tokenize_row(example: dict, index: int, data_code: str, **kwargs) -> dict:
+def _tokenize_row(example: dict, index: int, data_code: str, source: tuple[str, str], **kwargs) -> dict:
     # map(with_indices=True) passes the row's index as the second positional argument; data_code only keys the cache.
-    return tokenize_example(example, row=index + 1, **kwargs)
+    try:
+        return tokenize_example(example, row=index + 1, **kwargs)
+    except ConfigError as error:  # a bad row of a file also names the file and its line (of a folder's files too)
+        origin = row_origin(*source, index)
+        if origin is None:
+            raise
+        row = f"row {index + 1}"
+        raise ConfigError(str(error).replace(f"{row}:", f"{row} ({origin}):", 1)) from None
 
 
-def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> tuple[datasets.Dataset, str]:
-    """Tokenize, then drop or truncate overlong examples and drop those left without label tokens; log the counts.
-    Returns the examples kept and the format they were read as."""
+def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, split: str
+              ) -> tuple[datasets.Dataset, str]:
+    """Tokenize the rows of `split` of the data set `name`, then drop or truncate overlong examples and drop those
+    left without label tokens; log the counts. Returns the examples kept and the format they were read as."""
+    what = f"{name} [{split}]"
     try:
         fmt = detect_format(raw.column_names, cfg.dataset_format)
         if fmt in ("chat", "instruction") and tokenizer.chat_template is None:
@@ -52,7 +61,8 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, what: str) -> 
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
-                       "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH},
+                       "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH,
+                       "source": (name, split)},
         )
     except ConfigError as error:
         raise ConfigError(f"{what}: {error}") from None
@@ -148,10 +158,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
                                                                            sources):
             # Tokenized before the eval carve so that an error names the row of the split.
-            train, fmt = _tokenize(raw_train, tokenizer, cfg, f"{name} [{split}]")
+            train, fmt = _tokenize(raw_train, tokenizer, cfg, name, split)
             formats.add(fmt)
             if raw_eval is not None:
-                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, f"{name} [{eval_split}]")[0])
+                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, name, eval_split)[0])
             elif cfg.eval_fraction > 0:
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)

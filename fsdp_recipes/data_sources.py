@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import csv
 import functools
+import itertools
 import json
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import datasets
 import fsspec
@@ -121,6 +122,45 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     return dataset
 
 
+def row_origin(name: str, split: str, index: int) -> Optional[str]:
+    """Where row `index` (from 0) of `split` of a data file or a folder of them was read: the line where the row
+    starts (JSON lines, CSV) or the row's number in the file (JSON, Parquet), counting from 1, after the file's path
+    in a folder ('b.jsonl, line 3'). None for a Hub data set or a save_to_disk folder. Reads the files again (from
+    the datasets cache): for an error message only."""
+    if os.path.isfile(name):
+        split_files = {"train": [name]}
+    elif _is_files_folder(name):
+        split_files = _folder_files(name)
+    else:
+        return None
+    instruction = _parse_split(name, split)
+    wanted = {part.splitname for part in instruction.to_absolute(dict.fromkeys(split_files, 0))}
+    lengths = {splitname: [len(_load_file(file)) for file in split_files[splitname]] for splitname in wanted}
+    for part in instruction.to_absolute({splitname: sum(counts) for splitname, counts in lengths.items()}):
+        if index >= part.to - part.from_:
+            index -= part.to - part.from_
+            continue
+        row = part.from_ + index
+        for file, count in zip(split_files[part.splitname], lengths[part.splitname]):
+            if row < count:
+                place = _row_place(file, row)
+                return f"{os.path.relpath(file, name)}, {place}" if os.path.isdir(name) else place
+            row -= count
+    return None
+
+
+def _row_place(file: str, row: int) -> str:
+    """'line N' where row `row` (from 0) of a JSON-lines or CSV file starts (blank lines are no rows), else 'row N'."""
+    if _file_type(file) == ".jsonl":
+        with _open_text(file) as f:
+            lines = (number for number, line in enumerate(f, start=1) if line.strip())
+            return f"line {next(itertools.islice(lines, row, None))}"
+    if _file_type(file) == ".csv":
+        line, _ = next(itertools.islice(_csv_rows(file), row + 1, None))  # after the header
+        return f"line {line}"
+    return f"row {row + 1}"
+
+
 def _parse_split(name: str, split: str) -> datasets.ReadInstruction:
     try:
         return datasets.ReadInstruction.from_spec(split)
@@ -173,21 +213,27 @@ def _csv_as_text(name: str) -> dict:
     return {"features": datasets.Features({column: datasets.Value("string") for column in header}), "na_filter": False}
 
 
-def _check_csv_fields(name: str) -> None:
-    """A ConfigError for the first row whose fields are more or fewer than the header's. pandas takes a first row
-    with one field more for an index column, and shifts every column of every row by one, without a word. Blank
-    lines are skipped, as pandas skips them."""
+def _csv_rows(name: str) -> Iterator[tuple[int, list[str]]]:
+    """(the line where it starts, its cells) for each row of a CSV file, the header first. Blank lines are skipped,
+    as pandas skips them."""
     csv.field_size_limit(2**31 - 1)  # the csv module's default, 131,072 characters a cell, is no limit of pandas'
     with _open_text(name) as f:
-        rows, header, first_line = csv.reader(f), None, 1
+        rows, first_line = csv.reader(f), 1
         for row in rows:
             if any(cell.strip() for cell in row) or len(row) > 1:
-                if header is None:
-                    header = row
-                elif len(row) != len(header):
-                    raise ConfigError(f"cannot parse {name}, line {first_line}: {len(row)} fields, the header has "
-                                      f"{len(header)} (quote a cell that holds a comma: \"a, b\")")
+                yield first_line, row
             first_line = rows.line_num + 1  # the next row's first line: a quoted cell may span several
+
+
+def _check_csv_fields(name: str) -> None:
+    """A ConfigError for the first row whose fields are more or fewer than the header's. pandas takes a first row
+    with one field more for an index column, and shifts every column of every row by one, without a word."""
+    rows = _csv_rows(name)
+    _, header = next(rows, (1, None))
+    for line, row in rows:
+        if len(row) != len(header):
+            raise ConfigError(f"cannot parse {name}, line {line}: {len(row)} fields, the header has {len(header)} "
+                              f"(quote a cell that holds a comma: \"a, b\")")
 
 
 def _load_saved_folder(name: str, split: str, instruction: datasets.ReadInstruction) -> datasets.Dataset:
@@ -208,6 +254,13 @@ def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruct
     train where none is so named), each file read as a single file is (_load_file: CSV cells as text, a bad file
     named with its line), all of them: load_dataset would read only the most common file type, leaving the others
     out without a word."""
+    loaders = {splitname: functools.partial(_load_files, name, files)
+               for splitname, files in _folder_files(name).items()}
+    return _take_split(name, split, instruction, loaders)
+
+
+def _folder_files(name: str) -> dict[str, list[str]]:
+    """The files of each split of a folder of data files, in the order they are read."""
     try:
         files = DataFilesDict.from_patterns(get_data_patterns(name), base_path=name)
     except EmptyDatasetError:
@@ -217,17 +270,15 @@ def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruct
             raise ConfigError(f"{file}: unsupported file type in the data folder {name}, whose every file is read; "
                               f"use one of {', '.join(_FILE_BUILDERS)} (or one of them compressed: "
                               f"{', '.join(_COMPRESSIONS)}), or move it out of the folder")
-    loaders = {str(splitname): functools.partial(_load_files, name, list(split_files))
-               for splitname, split_files in files.items()}
-    return _take_split(name, split, instruction, loaders)
+    # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
+    return {str(splitname): [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
+            for splitname, split_files in files.items()}
 
 
 def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
     """The files of one split of a data folder, one after the other. Files with other columns are an error
     (concatenate_datasets would fill each one's missing columns with None), and so are columns whose types cannot
     be joined."""
-    # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
-    files = [file for file in files if os.path.getsize(file)] or files[:1]
     parts = [_load_file(file) for file in files]
     advice = "give every file the same columns, or put the files in folders of their own and list those in dataset_name"
     for file, part in zip(files[1:], parts[1:]):

@@ -677,7 +677,7 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
                                 None, "</s>", ["</s>"])
     for tokenizer, message in [(TOKENIZER, "the tool calls of message 1"), (calls_only, "the row's tools")]:
         demo.write_jsonl(tmp_path / "tools.jsonl", [CHAT, TOOL_CHAT])
-        with pytest.raises(ConfigError, match=rf"tools.jsonl \[train\]: row 2: the tokenizer's chat template leaves "
+        with pytest.raises(ConfigError, match=rf"tools.jsonl \[train\]: row 2 \(line 2\): the tokenizer's chat template leaves "
                                               rf"{message} out of the conversation: use a tokenizer_name_or_path whose "
                                               "chat template writes tools and tool calls"):
             build_datasets(cfg(tmp_path / "tools.jsonl"), tokenizer)
@@ -1144,8 +1144,8 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"cols.jsonl \[train\]: cannot read the data as any format: found the columns "
                                        r"\['question', 'answer'\]; expected chat: messages"),
-        (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 2: message 0 needs a string 'role' and a string"),
-        (cfg(tmp_path / "nolist.jsonl"), r"row 1: 'messages' must be a non-empty list"),
+        (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 2 \(line 2\): message 0 needs a string 'role' and a string"),
+        (cfg(tmp_path / "nolist.jsonl"), r"nolist.jsonl \[train\]: row 1 \(line 1\): 'messages' must be a non-empty list"),
         (cfg(tmp_path / "ok.jsonl", max_seq_length=2, overlong_examples="drop"), r"no example is left"),
         (cfg(tmp_path / "sharegpt.jsonl"), r"sharegpt.jsonl \[train\]: no message has the role assistant \(the roles "
                                            r"are gpt, human\), and the loss is on assistant turns: name the model's "
@@ -1216,13 +1216,39 @@ def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
     tokenizer.chat_template = GEMMA2_TEMPLATE
     system = {"messages": [{"role": "system", "content": "be brief"}] + CHAT["messages"]}
     demo.write_jsonl(tmp_path / "chats.jsonl", [CHAT, system])
-    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2: the tokenizer's chat template refuses this "
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2 \(line 2\): the tokenizer's chat template refuses this "
                                           r"conversation: System role not supported$"):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
     tokenizer.chat_template = MISTRAL_NEMO_TEMPLATE
-    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2: the tokenizer's chat template leaves "
+    with pytest.raises(ConfigError, match=r"chats.jsonl \[train\]: row 2 \(line 2\): the tokenizer's chat template leaves "
                                           r"message 0 \(system\) out of the conversation"):
         build_datasets(cfg(tmp_path / "chats.jsonl"), tokenizer)
+
+
+def test_a_bad_row_of_a_data_file_names_the_file_and_its_line(tmp_path):
+    """A row's number counts in its split, which joins a folder's files or slices them: the file, and the line where
+    the row starts (blank lines and a CSV's header and quoted line breaks counted), say where to fix it."""
+    (tmp_path / "folder" / "more").mkdir(parents=True)
+    demo.write_jsonl(tmp_path / "folder" / "a.jsonl", ROWS[:3])
+    bad = {"prompt": "a", "completion": None}
+    (tmp_path / "folder" / "b.jsonl").write_text(f"{json.dumps(ROWS[3])}\n\n{json.dumps(bad)}\n")
+    datasets.Dataset.from_list(ROWS[4:6]).to_parquet(tmp_path / "folder" / "more" / "c.parquet")
+    datasets.Dataset.from_list([ROWS[0], bad]).to_parquet(tmp_path / "d.parquet")
+    (tmp_path / "d.csv").write_text('prompt,completion,tools\na,b,\n\n"two\nlines",c,get_weather\n')
+    reason = "'completion' must be a string, got None"
+    for name, split, where in [("folder", "train", f"row 5 (b.jsonl, line 3): {reason}"),
+                               ("folder", "train[-4:]", f"row 2 (b.jsonl, line 3): {reason}"),
+                               ("d.parquet", "train[1:]", f"row 1 (row 2): {reason}"),
+                               ("d.csv", "train", "row 2 (line 4): a 'tools' column is read with chat data")]:
+        with pytest.raises(ConfigError) as error:
+            build_datasets(cfg(tmp_path / name, dataset_split=split), TOKENIZER)
+        assert str(error.value).startswith(f"{tmp_path / name} [{split}]: {where}"), str(error.value)
+    # A bad row of a held-out split too: an eval_split of the folder's test files.
+    shutil.copytree(tmp_path / "folder", tmp_path / "splits" / "test")
+    (tmp_path / "splits" / "train").mkdir()
+    demo.write_jsonl(tmp_path / "splits" / "train" / "rows.jsonl", ROWS)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/splits \[test\[2:\]\]: row 3 \(test/b.jsonl, line 3\): "):
+        build_datasets(cfg(tmp_path / "splits", eval_split="test[2:]"), TOKENIZER)
 
 
 def test_a_data_set_name_may_start_with_the_home_folder(tmp_path, monkeypatch):
@@ -1312,7 +1338,7 @@ def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
     proc = torchrun("recipes/llama_sft.py", "--model_name_or_path", tiny["model"], "--dataset_name",
                     tmp_path / "msgs.jsonl", "--output_dir", tmp_path / "out", expect_rc=1)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 3: message 0 needs a string 'role' and a string "
+    assert errors == [f"error: {tmp_path}/msgs.jsonl [train]: row 3 (line 3): message 0 needs a string 'role' and a string "
                       "'content' (which an assistant message with tool_calls may leave out), got "
                       "{'role': 'user'}"] * 2, proc.stderr
     assert "[rank" not in proc.stderr  # no rank died with a traceback (e.g. in a barrier)
