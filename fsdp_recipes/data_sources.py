@@ -270,6 +270,17 @@ def _folder_files(name: str) -> dict[str, list[str]]:
             raise ConfigError(f"{file}: unsupported file type in the data folder {name}, whose every file is read; "
                               f"use one of {', '.join(_FILE_BUILDERS)} (or one of them compressed: "
                               f"{', '.join(_COMPRESSIONS)}), or move it out of the folder")
+    # datasets' naming reads only the files of named splits: beside train.jsonl, a more.jsonl would be left out.
+    in_splits = {file for split_files in files.values() for file in split_files}
+    left_out = [file for file in DataFilesDict.from_patterns({"train": ["**"]}, base_path=name)["train"]
+                if file not in in_splits]
+    if left_out:
+        more = f" (and {len(left_out) - 1} more files)" if len(left_out) > 1 else ""
+        raise ConfigError(f"{left_out[0]}{more}: in none of the splits {list(map(str, files))} of the data folder "
+                          f"{name}, whose every file is read; datasets names a file's split by a folder name "
+                          f"(train/, test/, validation/, ...), else by its file name (train*, test*, ...), and where "
+                          f"none is named every file is train: rename it or move it into its split's folder, or move "
+                          f"it out of the folder")
     # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
     return {str(splitname): [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
             for splitname, split_files in files.items()}

@@ -1119,8 +1119,14 @@ def bad_input_cases(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
     (tmp_path / "data_folder").mkdir()
     demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
-    for folder in ("bad_folder", "columns_folder", "types_folder", "text_folder", "empty_folder"):
-        (tmp_path / folder).mkdir()
+    for folder in ("bad_folder", "columns_folder", "types_folder", "text_folder", "empty_folder", "named_folder",
+                   "split_folder/train"):
+        (tmp_path / folder).mkdir(parents=True)
+    demo.write_jsonl(tmp_path / "named_folder" / "train.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "named_folder" / "more.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "split_folder" / "train" / "a.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "split_folder" / "test.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "split_folder" / "validation.jsonl", ROWS)
     demo.write_jsonl(tmp_path / "bad_folder" / "a.jsonl", ROWS)
     shutil.copy(tmp_path / "bad.jsonl", tmp_path / "bad_folder" / "b.jsonl")
     demo.write_jsonl(tmp_path / "columns_folder" / "a.jsonl", ROWS)
@@ -1170,6 +1176,12 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "text_folder"), r".*text_folder/notes.txt: unsupported file type in the data folder .*, "
                                         r"whose every file is read; use one of .json, .jsonl, .csv, .parquet \(or one "
                                         r"of them compressed: .gz, .bz2, .xz, .zst\), or move"),
+        (cfg(tmp_path / "named_folder"), r"^.*named_folder/more.jsonl: in none of the splits \['train'\] of the data "
+                                         r"folder .*named_folder, whose every file is read; datasets names a file's "
+                                         r"split by a folder name \(train/, test/, validation/, ...\), else by its "
+                                         r"file name \(train\*, test\*, ...\), and where none is named every file is "
+                                         r"train: rename it or move it into its split's folder, or move it out"),
+        (cfg(tmp_path / "split_folder"), r"^.*split_folder/test.jsonl \(and 1 more files\): in none of the splits "),
         (cfg(tmp_path / "empty_folder"), r"empty_folder holds no data files \(json, jsonl, csv or parquet\)"),
         (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set "
                                                               r"\(or a local copy of one\); .*ok.jsonl is a file"),
