@@ -69,7 +69,10 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
             with _open_text(path) as f:
                 json.load(f)
         except json.JSONDecodeError as decode_error:
-            where = f"line {decode_error.lineno}: {decode_error.msg}"
+            # A second value after the first: JSON lines, which datasets reads from a .json file too (as
+            # Dataset.to_json writes them); the bad line is then another one.
+            where = (_first_bad_json_line(path) if decode_error.msg == "Extra data"
+                     else f"line {decode_error.lineno}: {decode_error.msg}")
     if where is None:
         cause = error
         while cause.__cause__ is not None:
