@@ -52,6 +52,11 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
     what = f"{name} [{split}]"
     try:
         fmt = detect_format(raw.column_names, cfg.dataset_format)
+        if tokenizer.eos_token is None and (fmt in ("prompt_completion", "text") or tokenizer.chat_template is None):
+            raise ConfigError(f"the tokenizer has no eos token, which ends every example of {fmt} data (and every turn "
+                              f"of the default chat template, for a tokenizer without one) so that the model learns "
+                              f"to stop: use a tokenizer_name_or_path that has one, or save the tokenizer with its "
+                              f"eos_token set")
         if fmt in ("chat", "instruction") and tokenizer.chat_template is None:
             # Only for data that goes through a chat template: a front end would send chats to a model saved with
             # one, in a layout that prompt/completion or text training never taught it.

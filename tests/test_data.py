@@ -903,6 +903,25 @@ def test_the_default_chat_template_is_given_for_chat_data_only(tmp_path, capsys)
                    tokenizer)
 
 
+def test_a_tokenizer_without_an_eos_token_is_refused_where_the_examples_end_with_it(tmp_path):
+    demo.write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 4)
+    demo.write_jsonl(tmp_path / "pc.jsonl", ROWS)
+    for data, template, fmt in [("pc.jsonl", DEFAULT_CHAT_TEMPLATE, "prompt_completion"), ("chat.jsonl", None, "chat")]:
+        tokenizer = demo.build_tokenizer()
+        tokenizer.eos_token, tokenizer.chat_template = None, template
+        with pytest.raises(ConfigError) as error:
+            build_datasets(cfg(tmp_path / data), tokenizer)
+        assert str(error.value) == (
+            f"{tmp_path / data} [train]: the tokenizer has no eos token, which ends every example of {fmt} data (and "
+            f"every turn of the default chat template, for a tokenizer without one) so that the model learns to "
+            f"stop: use a tokenizer_name_or_path that has one, or save the tokenizer with its eos_token set")
+    # A chat template of its own closes the turns as it does.
+    tokenizer = demo.build_tokenizer()
+    tokenizer.eos_token, tokenizer.chat_template = None, GEMMA2_TEMPLATE
+    train, _ = build_datasets(cfg(tmp_path / "chat.jsonl"), tokenizer)
+    assert len(train) == 4
+
+
 def test_samples_are_prompted_as_the_data_were_trained_unless_the_config_says(tmp_path):
     """A model trained on prompt/completion data never saw the chat template, even where its tokenizer has one."""
     demo.write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 4)
