@@ -295,7 +295,9 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     elif example.get("tools"):
         raise ConfigError(f"row {row}: a 'tools' column is read with chat data (a 'messages' column) only, and this "
                           f"data set is read as {fmt}: write the rows as messages, or remove the column")
-    for column in FORMATS[fmt]:
+    # An instruction row's optional `input` too: a number would be written into the prompt as its text.
+    columns = FORMATS[fmt] + (["input"] if fmt == "instruction" and example.get("input") is not None else [])
+    for column in columns:
         if fmt != "chat" and not isinstance(example[column], str):
             raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
     try:

@@ -57,6 +57,8 @@ def test_exact_loss_tokens_of_each_format():
     out = tokenize_example({"instruction": "ab", "input": "", "output": "ba"}, "instruction", TOKENIZER, 64)
     assert TOKENIZER.decode(out["input_ids"]) == "<|user|>ab<|end|><|assistant|>ba<|end|>"
     assert loss_tokens(out) == ["b", "a", "<|end|>"]
+    with pytest.raises(ConfigError, match=r"^row 1: 'input' must be a string, got 5$"):
+        tokenize_example({"instruction": "ab", "input": 5, "output": "ba"}, "instruction", TOKENIZER, 64)
 
     out = tokenize_example({"prompt": "ab", "completion": "cd"}, "prompt_completion", TOKENIZER, 64)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d", "<|end|>"]
