@@ -214,8 +214,9 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     check_shared_output_dir). A fresh run (or a resume from a checkpoint elsewhere) into an output_dir that holds
     an earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with
     them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, it checks that
-    the run reads nothing from them, and remove_earlier_run removes them once the data and the schedule are known to
-    work. A resume logging to W&B must log to the project of the checkpoint's W&B run (check_wandb_project)."""
+    the run reads nothing from them, and remove_earlier_run removes them once the data, the schedule, the model and
+    the checkpoint to resume from (if any) are known to work. A resume logging to W&B must log to the project of
+    the checkpoint's W&B run (check_wandb_project)."""
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
     if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
@@ -435,7 +436,9 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     # At its run's last step (the same length), a run that failed after its last save (in the final evaluation or the
     # export) is finished; one that has its final/ (here or beside the checkpoint) is not done again, nor is a
     # checkpoint of a longer or shorter run taken for an end.
-    exported = [f for f in (final, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
+    # output_dir's final/ is an earlier run's where overwrite_output_dir removes it before this run trains.
+    ours = () if cfg.overwrite_output_dir else (final,)
+    exported = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
     at_end = state["step"] == total_steps
     if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
         why = (f", and {exported[0]} holds its export" if at_end and exported

@@ -192,7 +192,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
         recipes_dir = os.path.dirname(os.path.abspath(sys.argv[0]))  # the running recipe's folder, wherever copied
         raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
                           f"earlier run: the recipe must call "
-                          f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
+                          f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after resolve_resume, as "
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
                           f"{recipes_dir}` updates the recipes there")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)

@@ -62,7 +62,6 @@ def main():
         tokenizer = load_tokenizer(cfg)
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
         check_run_length(cfg, train_dataset, env.world_size)  # a schedule that cannot work fails before the model loads
-        remove_earlier_run(cfg)  # with overwrite_output_dir: only now, so that a run failing on its data keeps it
 
         # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
         model = load_sharded_model(cfg, plan, env.device)
@@ -71,6 +70,8 @@ def main():
 
         # Resume: the checkpoint is checked against this model, tokenizer and data before anything is written.
         resume_from = resolve_resume(cfg, model, tokenizer, train_dataset)
+        # With overwrite_output_dir: only now, so that a run refused on its data, model or checkpoint keeps it.
+        remove_earlier_run(cfg)
 
         # Training, with evaluation on the held-out split; a resumed run continues its W&B run.
         logger = MetricsLogger(cfg, env.is_main, {"sharding_plan": {**vars(plan), "description": plan_text}},

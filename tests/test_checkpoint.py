@@ -1063,6 +1063,22 @@ def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
     assert json.loads((out / "final" / "config.json").read_text())["attention_dropout"] == 0.5
 
 
+def test_overwrite_output_dir_keeps_the_earlier_run_when_the_checkpoint_is_refused(tiny, reference, tmp_path):
+    # Resuming another run's last checkpoint (without its final/) into an output_dir to overwrite: a refused
+    # checkpoint removes nothing; an accepted one finishes its run there, whose final/ the earlier run's does not hide.
+    shutil.copytree(reference, tmp_path / "out")
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "alone" / "checkpoint-6")
+    args = recipe_args(tiny, tmp_path / "out", "--gradient_accumulation_steps", "4", "--overwrite_output_dir", "true",
+                       "--resume_from_checkpoint", tmp_path / "alone" / "checkpoint-6")
+    before = snapshot(tmp_path / "out")
+    proc = run([sys.executable, RECIPE, *args, "--learning_rate", "2e-2"], expect_rc=2)
+    assert "another training config (learning_rate: checkpoint 0.01, now 0.02)" in proc.stderr
+    assert snapshot(tmp_path / "out") == before
+    run([sys.executable, RECIPE, *args])
+    assert sorted(os.listdir(tmp_path / "out")) == ["final", "metrics.jsonl", "wandb"]
+    assert_same_weights(final_weights(tmp_path / "out"), final_weights(reference))
+
+
 def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, tmp_path):
     # A recipe copied before remove_earlier_run existed: the earlier run's checkpoints would mix with the new ones.
     source = (Path(REPO) / RECIPE).read_text()
@@ -1075,7 +1091,7 @@ def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, 
                expect_rc=2)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: overwrite_output_dir true, but {tmp_path / 'out'} still holds checkpoint-8 of the earlier run: the "
-        f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after check_run_length, as "
+        f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after resolve_resume, as "
         f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir {tmp_path}` updates the "
         f"recipes there")
     assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-8"]
