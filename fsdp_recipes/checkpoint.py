@@ -320,6 +320,11 @@ def check_checkpoint_folder(path: str, output_dir_advice: str = "") -> None:
         raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): pass a checkpoint-<step> folder")
     if os.path.isfile(os.path.join(path, STATE_NAME)):
         return
+    if not os.path.exists(path):  # a mistyped step, or one retention has removed: say which are there
+        parent = os.path.dirname(os.path.abspath(path))
+        held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(parent))
+        raise CheckpointError(f"{path} does not exist{f' ({parent} holds {held})' if held else ''}: pass a "
+                              f"checkpoint-<step> folder")
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST_NAME)) or checkpoint_steps(path)):
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
         raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): pass one of its "

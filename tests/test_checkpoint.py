@@ -482,6 +482,11 @@ def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
         cases[f"cut_{name}"] = rf"cut_{name}/{name} is corrupt or truncated: "
     (tmp_path / "not_a_checkpoint").mkdir()
     cases["not_a_checkpoint"] = r"not_a_checkpoint is not a checkpoint: it has no trainer_state.json"
+    # A mistyped step, or a checkpoint retention removed: the message lists those beside it.
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "run" / "checkpoint-6")
+    cases["run/checkpoint-60"] = (rf"run/checkpoint-60 does not exist \({tmp_path}/run holds checkpoint-6\): pass a "
+                                  rf"checkpoint-<step> folder$")
+    cases["typo"] = r"typo does not exist: pass a checkpoint-<step> folder$"
     before = snapshot(tmp_path)
     for name, message in cases.items():
         with pytest.raises(CheckpointError, match=message):
