@@ -248,8 +248,6 @@ class TrainConfig:
             raise ConfigError("set eval_split or eval_fraction, not both")
         if self.eval_steps < 0:
             raise ConfigError(f"eval_steps must be 0 (evaluate at the end only) or positive, got {self.eval_steps}")
-        if self.eval_steps and not (self.eval_split or self.eval_fraction):
-            raise ConfigError("eval_steps needs a held-out split: set eval_split or eval_fraction")
         if self.fsdp_version not in (None, 1, 2):
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
         if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
@@ -489,6 +487,10 @@ FEATURE_KEYS = {
     "per_device_eval_batch_size": ("sizes the evaluation batches", lambda c: bool(c.eval_split or c.eval_fraction),
                                    {"eval_split", "eval_fraction"}, "the run has no held-out split",
                                    "set eval_split or eval_fraction"),
+    # 0 (the default) asks for no evaluation in between, so it is ignored by no run.
+    "eval_steps": ("evaluates the held-out split every N steps",
+                   lambda c: not c.eval_steps or bool(c.eval_split or c.eval_fraction), {"eval_split", "eval_fraction"},
+                   "the run has no held-out split", "set eval_split or eval_fraction"),
     "generation_max_new_tokens": ("applies to sample generation", lambda c: bool(c.generation_prompts),
                                   {"generation_prompts"}, "generation_prompts is unset", "set generation_prompts"),
     "generation_use_chat_template": ("applies to sample generation", lambda c: bool(c.generation_prompts),

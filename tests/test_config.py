@@ -153,11 +153,19 @@ def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nreport_to: wandb\nwandb_project: p\n"
                                     "run_name: r\ngeneration_prompts: [hi]\ngeneration_max_new_tokens: 8\n"
                                     "generation_use_chat_template: false\neval_fraction: 0.1\n"
-                                    "per_device_eval_batch_size: 2\n")
+                                    "per_device_eval_batch_size: 2\neval_steps: 5\n")
     cfg = parse_config(["--config", cfg_file, "--report_to", "none", "--generation_prompts", "null",
                         "--eval_fraction", "0"])
     assert (cfg.report_to, cfg.generation_prompts, cfg.eval_fraction) == ("none", None, 0)
     assert (cfg.wandb_project, cfg.generation_max_new_tokens, cfg.per_device_eval_batch_size) == ("p", 8, 2)
+    assert cfg.eval_steps == 5
+    # `--eval_split null`, as the README's example of setting a key back to null.
+    split = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\neval_split: validation\neval_steps: 5\n")
+    assert parse_config(["--config", split, "--eval_split", "null"]).eval_split is None
+    with pytest.raises(ConfigError, match="^eval_steps evaluates the held-out split every N steps, and the run has no "
+                                          "held-out split: set eval_split or eval_fraction, or leave eval_steps unset"):
+        parse_config(["--config", split, "--eval_split", "null", "--eval_steps", "5"])
+    assert parse_config(["--config", split, "--eval_split", "null", "--eval_steps", "0"]).eval_steps == 0
     # The same key given again on the command line is relied on.
     with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
         parse_config(["--config", cfg_file, "--report_to", "none", "--wandb_project", "q"])

@@ -309,5 +309,5 @@ def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):
 
 
 def test_eval_steps_need_a_held_out_split():
-    with pytest.raises(ConfigError, match="eval_steps needs a held-out split"):
+    with pytest.raises(ConfigError, match="^eval_steps evaluates the held-out split every N steps, and the run has no held-out split"):
         parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--eval_steps", "10"])
