@@ -156,13 +156,23 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                           "applied (it checks the collectives of accelerate's own operations, which these recipes do "
                           "not use): remove it")
     use_env = bool(_env_bool("ACCELERATE_USE_FSDP"))
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ
     if use_env:
         _reject_unsupported_env()
-    elif "ACCELERATE_MIXED_PRECISION" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    elif launched_by_accelerate and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # MULTI_GPU or MULTI_CPU: accelerate exports none of the config's fsdp_config, which would go unapplied.
         raise ConfigError("the accelerate config's distributed_type is not FSDP, so accelerate passes none of its "
                           "fsdp_config on: set distributed_type: FSDP, or launch with one of accelerate_configs/ "
                           "(fsdp2.yaml, or fsdp2_cpu.yaml on CPU)")
+    elif (launched_by_accelerate and _env_bool("ACCELERATE_USE_CPU") and "RANK" not in os.environ
+          and "MASTER_ADDR" in os.environ):
+        # accelerate's one-process launcher (`--cpu`, which skips FSDP's launcher, or a MULTI_CPU config without
+        # mpirun) exports MASTER_ADDR only for a config of several processes, and starts this one alone.
+        raise ConfigError("accelerate launch started this one process for a config of several, and passed none of "
+                          "its fsdp_config on: accelerate launch --cpu (or a MULTI_CPU config) runs accelerate's "
+                          "one-process launcher. Drop --cpu and launch an FSDP config that stays on the CPU, such as "
+                          "accelerate_configs/fsdp2_cpu.yaml (its gpu_ids \"\" hides the GPUs), or run one process "
+                          "with python")
 
     def env(getter, name):
         return getter(name) if use_env else None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-from accelerate.utils.launch import prepare_multi_gpu_env
+from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
 from conftest import REPO, accelerate_launch, read_metrics
 from fsdp_recipes import demo
@@ -173,3 +173,33 @@ def test_a_config_whose_distributed_type_is_not_fsdp_is_refused(monkeypatch, tmp
     # One process launched by accelerate without a config (the simple launcher): nothing is dropped.
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2
+
+
+def test_accelerates_one_process_launcher_for_a_config_of_several_is_refused(monkeypatch, tmp_path):
+    # `accelerate launch --cpu` skips FSDP's launcher, as a MULTI_CPU config without mpirun skips any: one process
+    # starts, given none of the fsdp_config, where the config asks for 2.
+    multi_cpu = yaml.safe_load((REPO / "accelerate_configs" / "fsdp2_offload_cpu.yaml").read_text())
+    (tmp_path / "multi_cpu.yaml").write_text(yaml.safe_dump({**multi_cpu, "distributed_type": "MULTI_CPU"}))
+    launches = [["--cpu", "--config_file", str(REPO / "accelerate_configs" / "fsdp2_offload_cpu.yaml")],
+                ["--config_file", str(tmp_path / "multi_cpu.yaml")]]
+    for launch in launches:
+        with monkeypatch.context() as patched:
+            env = simple_launched_env(launch)
+            assert not any(key.startswith("FSDP_") or key in ("RANK", "WORLD_SIZE") for key in env)
+            for key, value in env.items():
+                patched.setenv(key, value)
+            with pytest.raises(ConfigError, match=r"^accelerate launch started this one process for a config of "
+                                                  r"several, and passed none of its fsdp_config on: accelerate "
+                                                  r"launch --cpu .* Drop --cpu"):
+                resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    # One process asked for (`accelerate launch --cpu` without a config): nothing is dropped.
+    for key, value in simple_launched_env(["--cpu"]).items():
+        monkeypatch.setenv(key, value)
+    assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2
+
+
+def simple_launched_env(launch: list[str]) -> dict[str, str]:
+    """The environment of the one process accelerate's simple launcher starts for `accelerate launch <launch>`."""
+    args = launch_command_parser().parse_args([*launch, "--main_process_port", "0", "recipes/llama_sft.py"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_simple_launcher_cmd_env(args)[1]
