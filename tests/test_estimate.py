@@ -23,7 +23,7 @@ from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, est
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
 from fsdp_recipes.trainer import token_loss_sum
-from test_accelerate_configs import process_group_of
+from test_accelerate_configs import launched_env, process_group_of
 from test_export import REMOTE_CONFIG, REMOTE_MODEL
 from test_launch import launch_node_env
 
@@ -370,9 +370,9 @@ def test_70b_on_2_nodes_gets_full_shard_over_all_16_gpus(configs, llama_70b, tmp
     proposal = recommend(model, args, saved)
     assert proposal.startswith("recommended: FULL_SHARD with activation checkpointing: ")
     [keys] = re.findall(r"\(recipe config: (.*)\)$", proposal)
-    assert keys == ("fsdp_reshard_after_forward: true, dp_replicate_size: 1, fsdp_activation_checkpointing: true, "
-                    "fsdp_offload_params: false, mixed_precision: bf16, per_device_train_batch_size: 4, "
-                    "max_seq_length: 2048, attn_implementation: sdpa")
+    assert keys == ("fsdp_version: 2, fsdp_reshard_after_forward: true, dp_replicate_size: 1, "
+                    "fsdp_activation_checkpointing: true, fsdp_offload_params: false, mixed_precision: bf16, "
+                    "per_device_train_batch_size: 4, max_seq_length: 2048, attn_implementation: sdpa")
     plan = plan_under_launch_node(keys, tmp_path, monkeypatch)
     assert plan.mesh_shape == (16,) and plan.reshard_after_forward and plan.activation_checkpointing
     assert plan.mixed_precision == "bf16"
@@ -386,6 +386,19 @@ def test_recipe_keys_on_2_nodes_shard_as_estimated_under_the_launcher(tmp_path, 
     assert plan.mesh_shape == mesh
     assert plan.reshard_after_forward == (strategy != "SHARD_GRAD_OP") and plan.offload_params
     assert not plan.activation_checkpointing  # said explicitly: a recipe YAML's true would not fit the estimate
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_recipe_keys_under_an_fsdp1_accelerate_config_run_fsdp2_as_estimated(tmp_path, monkeypatch, strategy):
+    # The estimate models FSDP2: its keys choose it over fsdp1.yaml (and over accelerate's default, 1), where
+    # fsdp_reshard_after_forward alone was refused as an FSDP2 setting.
+    for key, value in launched_env("fsdp1.yaml").items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "recipe.yaml").write_text("\n".join(Setting(strategy, True, False).recipe_keys(1).split(", ")))
+    plan = resolve_plan(parse_config(["--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path", "m",
+                                      "--dataset_name", "d"]))
+    assert (plan.fsdp_version, plan.sharding_strategy, plan.activation_checkpointing) == (2, strategy, True)
+    assert plan.overrides[0] == "fsdp_version: recipe config 2 overrides accelerate config 1"
 
 
 def test_recipe_keys_of_every_precision_read_back_as_a_recipe_config(configs, llama_70b, tmp_path):
