@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError
+from .plan import TRUE
 
 T = TypeVar("T")
 
@@ -40,8 +41,9 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # `accelerate launch --cpu` (one process): the CPU even where there is a GPU. The *_cpu.yaml configs hide the
     # GPUs instead (gpu_ids ""), because accelerate's FSDP launcher does not pass use_cpu on.
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").strip().lower() in TRUE  # accelerate's truth values
     if torch.cuda.is_available() and not use_cpu:
+        check_a_gpu_per_process(local_rank, torch.cuda.device_count())
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # gloo beside nccl: CPU tensors (offloaded state, object collectives) need a CPU backend too.
@@ -57,6 +59,16 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     long_wait_group()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def check_a_gpu_per_process(local_rank: int, gpus: int) -> None:
+    """A node that starts more processes than it has GPUs: say which setting counts them, not 'invalid device
+    ordinal' from CUDA."""
+    if local_rank >= gpus:
+        raise ConfigError(f"local rank {local_rank} has no GPU: this node shows {gpus} (CUDA_VISIBLE_DEVICES hides "
+                          f"the others), and its launcher started more processes. Start one process per GPU: "
+                          f"accelerate's num_processes counts every node's processes (num_machines x GPUs per node), "
+                          f"torchrun's --nproc_per_node one node's")
 
 
 def check_started_by_a_launcher() -> None:

@@ -11,6 +11,8 @@ import sys
 from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.distributed.run as torchrun
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import _filter_args, prepare_multi_gpu_env
@@ -20,6 +22,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from conftest import REPO, read_metrics, run, subprocess_env
+from fsdp_recipes.config import ConfigError
+from fsdp_recipes.distributed import init_distributed
 from test_readme import readme_commands
 
 # 4 sequences per step: 1 rank x 2 micro-batches of 2, or 2 ranks x 1 of 2. A learning rate large enough that
@@ -171,3 +175,21 @@ def test_tasks_started_without_a_launcher_are_refused(tiny, tmp_path):
         "launcher: each would train alone, into the same output_dir. Run one task per node that starts the node's "
         "processes with accelerate launch or torchrun (slurm/sft_multinode.sbatch runs slurm/launch_node.sh so)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
+    """A node that starts more processes than it has GPUs gets the setting that counts them, not CUDA's 'invalid
+    device ordinal'; ACCELERATE_USE_CPU in any of accelerate's spellings of true keeps the process on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ConfigError, match=r"^local rank 4 has no GPU: this node shows 4 .* accelerate's "
+                                          r"num_processes counts every node's processes"):
+        init_distributed()
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "on")
+    env = init_distributed()
+    try:
+        assert env.device == torch.device("cpu") and dist.get_backend() == "gloo"
+    finally:
+        dist.destroy_process_group()
