@@ -56,7 +56,7 @@ from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
                      tied_parameter_names, write_gathered_weights, write_model_files)
 from .metrics import saved_wandb_run
-from .plan import TRUE
+from .plan import STATE_DICT_TYPES, TRUE, env_enum
 from .progress import print_line
 from .schedule import count_total_steps
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
@@ -148,7 +148,7 @@ def resolve_state_dict_type(cfg: TrainConfig) -> str:
         return cfg.save_state_dict_type
     if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() not in TRUE:
         return "sharded"
-    accelerate_type = os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT").strip().upper()
+    accelerate_type = env_enum("FSDP_STATE_DICT_TYPE", STATE_DICT_TYPES) or "SHARDED_STATE_DICT"
     formats = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
     if accelerate_type not in formats:
         raise ConfigError(f"fsdp_state_dict_type {accelerate_type} is not supported: use FULL_STATE_DICT or "

@@ -76,13 +76,24 @@ def _env_int(name: str) -> Optional[int]:
     return int(number)
 
 
-def _env_strategy(name: str) -> Optional[str]:
-    """An FSDP1 sharding strategy by name in any case or, as accelerate also reads it, by torch's number (1:
-    FULL_SHARD, 2: SHARD_GRAD_OP, 3: NO_SHARD, 4: HYBRID_SHARD)."""
+# torch's enums in their order from 1, for the numbers accelerate also reads (older `accelerate config` versions
+# wrote them).
+BACKWARD_PREFETCHES = ("BACKWARD_PRE", "BACKWARD_POST")
+STATE_DICT_TYPES = ("FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT")
+
+
+def env_enum(name: str, members: tuple[str, ...]) -> Optional[str]:
+    """An enum setting by name in any case or, as accelerate also reads it, by torch's number for it (`members` in
+    torch's order: FSDP1's strategies 1: FULL_SHARD, 2: SHARD_GRAD_OP, 3: NO_SHARD, 4: HYBRID_SHARD)."""
     value = _env_name(name)
-    if value is not None and value.isdigit() and 1 <= int(value) <= len(FSDP1_STRATEGIES):
-        return FSDP1_STRATEGIES[int(value) - 1]
+    if value is not None and value.isdigit() and 1 <= int(value) <= len(members):
+        return members[int(value) - 1]
     return value
+
+
+def _env_strategy(name: str) -> Optional[str]:
+    """FSDP1's sharding strategy, by name or number."""
+    return env_enum(name, FSDP1_STRATEGIES)
 
 
 def _env_reshard(name: str, fsdp1: bool) -> bool | str | None:
@@ -303,7 +314,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
                           f"{precision}, which these recipes do not run: set bf16 or no there, or mixed_precision in "
                           f"the recipe config ({', '.join(PRECISIONS)}), which wins")
 
-    prefetch = env(_env_name, "FSDP_BACKWARD_PREFETCH")
+    prefetch = env(lambda name: env_enum(name, BACKWARD_PREFETCHES), "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2 and env_version == 1:
         # An FSDP1 accelerate config (each shipped one sets it) under the recipe config's fsdp_version 2.
         overrides.append(f"fsdp_backward_prefetch: accelerate config {prefetch!r} is an FSDP1 setting, not applied "
@@ -316,7 +327,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         raise ConfigError(f"fsdp_backward_prefetch must be BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH, got {prefetch}")
 
     # The checkpoint format (checkpoint.resolve_state_dict_type) is read from either config too: say which won.
-    env_state_dict = env(_env_name, "FSDP_STATE_DICT_TYPE")
+    env_state_dict = env(lambda name: env_enum(name, STATE_DICT_TYPES), "FSDP_STATE_DICT_TYPE")
     env_format = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}.get(env_state_dict)
     if cfg.save_state_dict_type and env_format and cfg.save_state_dict_type != env_format:
         overrides.append(f"save_state_dict_type: recipe config {cfg.save_state_dict_type!r} overrides accelerate "

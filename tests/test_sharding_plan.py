@@ -6,6 +6,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdp_recipes import demo, fsdp1
+from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
@@ -126,6 +127,15 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
         accelerate_env.setenv("FSDP_SHARDING_STRATEGY", number)
         assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
                         "2").sharding_strategy == strategy
+    # Backward prefetch and the checkpoint format by torch's number too (BackwardPrefetch, StateDictType).
+    accelerate_env.setenv("FSDP_BACKWARD_PREFETCH", "1")
+    accelerate_env.setenv("FSDP_STATE_DICT_TYPE", "1")
+    args = ["--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2"]
+    assert plan_for(*args).backward_prefetch == "BACKWARD_PRE"
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args])
+    assert resolve_state_dict_type(cfg) == "full"
+    accelerate_env.setenv("FSDP_STATE_DICT_TYPE", "3")
+    assert resolve_state_dict_type(cfg) == "sharded"
     accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
     accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "2")
     assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
