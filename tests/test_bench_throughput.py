@@ -53,3 +53,21 @@ def test_packed_steps_have_their_rows_at_any_sequence_length():
         assert all(mb["input_ids"].shape[1] <= length for mb in rows)
         examples = sum(int((mb["position_ids"] == 0).sum()) for mb in rows)
         assert examples > length / 256 * len(rows)  # several examples a row, more at 4096
+
+
+def test_readme_commands_run_each_variant_once():
+    """The README's commands reproduce its table: between them every variant, each at the rounds its rows say."""
+    import importlib.util
+    import re
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("train_throughput", REPO / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    commands = re.findall(r'train_throughput\.py --repeats (\d+) --variants "([^"]+)"', (REPO / "README.md").read_text())
+    named = [name for _, variants in commands for name in variants.split(",")]
+    assert sorted(named) == sorted(bench.VARIANTS)
+    # 5 rounds for fp32 (their spread is reported), 1 for bf16 (9 minutes a round).
+    assert {repeats: {bench.VARIANTS[n][2] for n in variants.split(",")} for repeats, variants in commands} == {
+        "5": {"no"}, "1": {"bf16"}}
