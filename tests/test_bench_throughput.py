@@ -1,9 +1,11 @@
 """The CPU throughput benchmark runs, and every variant trains on the same batches (a tiny model, 1 timed step, 2 rounds)."""
 
+import importlib.util
 import json
+import re
 import sys
 
-from conftest import run
+from conftest import REPO, run
 
 
 def test_throughput_benchmark_compares_variants_on_the_same_batches(tmp_path):
@@ -57,11 +59,6 @@ def test_packed_steps_have_their_rows_at_any_sequence_length():
 
 def test_readme_commands_run_each_variant_once():
     """The README's commands reproduce its table: between them every variant, each at the rounds its rows say."""
-    import importlib.util
-    import re
-
-    from conftest import REPO
-
     spec = importlib.util.spec_from_file_location("train_throughput", REPO / "bench" / "train_throughput.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
