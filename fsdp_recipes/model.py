@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,19 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
     if not overrides:
         return {}, {}
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    # The trainer adds router_aux_loss_coef x the aux_loss of transformers' load_balancing_loss_func: a model with a
+    # router but without these would train without the loss (DeepSeek V3, Llama 4) or fail at its first step
+    # (JetMoE's and DBRX's coefficients have other names).
+    model_class = AutoModelForCausalLM._model_mapping[type(config)] if type(config) in (
+        AutoModelForCausalLM._model_mapping) else None  # None: the checkpoint's own code, not known before loading
+    if (hasattr(config, "output_router_logits") and model_class is not None
+            and overrides.get("output_router_logits", "router_aux_loss_coef" in overrides)
+            and not (hasattr(sys.modules[model_class.__module__], "load_balancing_loss_func")
+                     and hasattr(config, "router_aux_loss_coef"))):
+        raise ConfigError(f"{', '.join(overrides)} is set, but {model_class.__name__} does not compute the router "
+                          f"load-balancing loss that the trainer weighs (transformers' load_balancing_loss_func, with "
+                          f"router_aux_loss_coef): the run would train without it, or fail at its first step. Remove "
+                          f"it, or set output_router_logits false")
     missing = [key for key in overrides if not hasattr(config, key)]
     if missing:
         raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "

@@ -32,7 +32,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
-from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer
+from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
@@ -579,6 +579,18 @@ def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
                         "--output_router_logits", "true"])
     with pytest.raises(ConfigError, match="output_router_logits is set, but llama models have no such setting"):
         load_model(cfg)
+    # MoE models whose forward computes no router loss (DeepSeek V3), or weighs it by another coefficient (JetMoE's
+    # aux_loss_coef, which the trainer does not read): refused, not trained without the loss or failing at step 1.
+    for model_type, model_class in [("deepseek_v3", "DeepseekV3ForCausalLM"), ("jetmoe", "JetMoeForCausalLM")]:
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        for keys in (["--output_router_logits", "true"], ["--router_aux_loss_coef", "0.01"]):
+            with pytest.raises(ConfigError, match=f"^{keys[0][2:]} is set, but {model_class} does not compute the "
+                                                  "router load-balancing loss that the trainer weighs .* Remove it"):
+                load_model(parse_config(["--model_name_or_path", str(tmp_path / model_type), "--dataset_name", "d",
+                                         *keys]))
+        off = parse_config(["--model_name_or_path", str(tmp_path / model_type), "--dataset_name", "d",
+                            "--output_router_logits", "false"])
+        assert model_config_overrides(off)[0] == {"output_router_logits": False}  # off: nothing to weigh
 
 
 def test_router_loss_coefficient_without_router_logits_is_refused(tmp_path):
