@@ -9,7 +9,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig
-from .new_recipe import recipe_advice
+from .new_recipe import recipe_advice, recipes_training
 
 
 # The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma). eager and flex_attention
@@ -92,6 +92,12 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
                      "soft-capping")
     if model_types is not None:
         _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
+    elif os.environ.get("RANK", "0") == "0":  # before the process group: rank 0 says it once
+        family = recipes_training(config.model_type, os.path.dirname(recipe) or ".")
+        if family:  # trained here without the family's YAML defaults (Qwen3-MoE's router loss): say so
+            print(f"note: {family[0]} trains {config.model_type} models with its family's defaults (its YAML config "
+                  f"in {os.path.join(os.path.dirname(family[0]), 'configs')}); {os.path.basename(recipe)} trains it "
+                  f"with the config given here", flush=True)
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:

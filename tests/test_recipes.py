@@ -304,7 +304,7 @@ def test_recipes_share_every_line_but_their_own():
     parse_config(["--config", "recipes/configs/sft.yaml", "--model_name_or_path", "m", "--dataset_name", "d"])
 
 
-def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
+def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path, capsys):
     gemma2 = write_model(tmp_path / "gemma2", FAMILIES["gemma2"][2])
     args = ["--config", "recipes/configs/gemma2_sft.yaml", "--model_name_or_path", str(gemma2),
             "--dataset_name", "data.jsonl"]
@@ -331,7 +331,12 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path):
     with pytest.raises(ConfigError, match=r"vaultgemma models need attn_implementation eager or"):
         check_model_type(parse_config([*generic[:3], str(vaultgemma), *generic[4:]]), None, "recipes/sft.py")
     gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
+    capsys.readouterr()
     check_model_type(parse_config([*generic[:3], str(gemma3), *generic[4:]]), None, "recipes/sft.py")
+    # A family with a recipe of its own: the generic recipe trains it, and says which recipe has its defaults.
+    assert capsys.readouterr().out == ("note: recipes/gemma_sft.py trains gemma3_text models with its family's "
+                                       "defaults (its YAML config in recipes/configs); sft.py trains it with the "
+                                       "config given here\n")
     # The recipe that trains it, before the attention check: llama_sft.yaml's sdpa is no reason to use eager here.
     with pytest.raises(ConfigError, match=r"llama_sft.py trains llama models, but .* is a gemma2 model: "
                                           r"recipes/gemma_sft.py trains gemma2 models: run it \(or a copy of it\), "
