@@ -584,9 +584,9 @@ def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
                         "--output_router_logits", "true"])
     with pytest.raises(ConfigError, match="output_router_logits is set, but llama models have no such setting"):
         load_model(cfg)
-    # MoE models whose forward computes no router loss (DeepSeek V3), or weighs it by another coefficient (JetMoE's
+    # MoE models whose forward computes no router loss (Llama 4), or weighs it by another coefficient (JetMoE's
     # aux_loss_coef, which the trainer does not read): refused, not trained without the loss or failing at step 1.
-    for model_type, model_class in [("deepseek_v3", "DeepseekV3ForCausalLM"), ("jetmoe", "JetMoeForCausalLM")]:
+    for model_type, model_class in [("llama4_text", "Llama4ForCausalLM"), ("jetmoe", "JetMoeForCausalLM")]:
         AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
         for keys in (["--output_router_logits", "true"], ["--router_aux_loss_coef", "0.01"]):
             with pytest.raises(ConfigError, match=f"^{keys[0][2:]} is set, but {model_class} does not compute the "
