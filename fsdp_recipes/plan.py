@@ -178,12 +178,14 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     elif (launched_by_accelerate and _env_bool("ACCELERATE_USE_CPU") and "RANK" not in os.environ
           and "MASTER_ADDR" in os.environ):
         # accelerate's one-process launcher (`--cpu`, which skips FSDP's launcher, or a MULTI_CPU config without
-        # mpirun) exports MASTER_ADDR only for a config of several processes, and starts this one alone.
+        # mpirun) exports MASTER_ADDR only for a config of several processes, and starts this one alone. It also
+        # passes on a MASTER_ADDR of the shell's (a SLURM script's), which the error names.
         raise ConfigError("accelerate launch started this one process for a config of several, and passed none of "
                           "its fsdp_config on: accelerate launch --cpu (or a MULTI_CPU config) runs accelerate's "
                           "one-process launcher. Drop --cpu and launch an FSDP config that stays on the CPU, such as "
                           "accelerate_configs/fsdp2_cpu.yaml (its gpu_ids \"\" hides the GPUs), or run one process "
-                          "with python")
+                          "with python (MASTER_ADDR, which that launcher sets only for several processes, is "
+                          f"{os.environ['MASTER_ADDR']}: for one process, unset it where your shell exports it)")
 
     def env(getter, name):
         return getter(name) if use_env else None

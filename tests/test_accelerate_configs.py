@@ -182,6 +182,7 @@ def test_accelerates_one_process_launcher_for_a_config_of_several_is_refused(mon
     (tmp_path / "multi_cpu.yaml").write_text(yaml.safe_dump({**multi_cpu, "distributed_type": "MULTI_CPU"}))
     launches = [["--cpu", "--config_file", str(REPO / "accelerate_configs" / "fsdp2_offload_cpu.yaml")],
                 ["--config_file", str(tmp_path / "multi_cpu.yaml")]]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # the launcher passes the shell's on, as below
     for launch in launches:
         with monkeypatch.context() as patched:
             env = simple_launched_env(launch)
@@ -190,12 +191,20 @@ def test_accelerates_one_process_launcher_for_a_config_of_several_is_refused(mon
                 patched.setenv(key, value)
             with pytest.raises(ConfigError, match=r"^accelerate launch started this one process for a config of "
                                                   r"several, and passed none of its fsdp_config on: accelerate "
-                                                  r"launch --cpu .* Drop --cpu"):
+                                                  r"launch --cpu .* Drop --cpu .*\(MASTER_ADDR, which that launcher "
+                                                  r"sets only for several processes, is 127.0.0.1"):
                 resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
     # One process asked for (`accelerate launch --cpu` without a config): nothing is dropped.
     for key, value in simple_launched_env(["--cpu"]).items():
         monkeypatch.setenv(key, value)
     assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2
+    # Unless the shell exports a MASTER_ADDR, which the launcher passes on: the error names it.
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    for key, value in simple_launched_env(["--cpu"]).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"MASTER_ADDR, which that launcher sets only for several processes, is "
+                                          r"node0: for one process, unset it where your shell exports it\)$"):
+        resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
 
 
 def simple_launched_env(launch: list[str]) -> dict[str, str]:
