@@ -153,12 +153,17 @@ def row_origin(name: str, split: str, index: int) -> Optional[str]:
 
 
 def _row_place(file: str, row: int) -> str:
-    """'line N' where row `row` (from 0) of a JSON-lines or CSV file starts (blank lines are no rows), else 'row N'."""
+    """'line N' where row `row` (from 0) of a JSON-lines or CSV file starts (blank lines are no rows), else 'row N'
+    (also for a .jsonl file that holds one JSON array, which datasets reads too: its rows are no lines)."""
     if _file_type(file) == ".jsonl":
         with _open_text(file) as f:
+            first = next((line for line in f if line.strip()), "")
+            f.seek(0)
             lines = (number for number, line in enumerate(f, start=1) if line.strip())
-            return f"line {next(itertools.islice(lines, row, None))}"
-    if _file_type(file) == ".csv":
+            line = None if first.lstrip().startswith("[") else next(itertools.islice(lines, row, None), None)
+        if line is not None:
+            return f"line {line}"
+    elif _file_type(file) == ".csv":
         line, _ = next(itertools.islice(_csv_rows(file), row + 1, None))  # after the header
         return f"line {line}"
     return f"row {row + 1}"

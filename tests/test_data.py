@@ -1270,10 +1270,13 @@ def test_a_bad_row_of_a_data_file_names_the_file_and_its_line(tmp_path):
     datasets.Dataset.from_list(ROWS[4:6]).to_parquet(tmp_path / "folder" / "more" / "c.parquet")
     datasets.Dataset.from_list([ROWS[0], bad]).to_parquet(tmp_path / "d.parquet")
     (tmp_path / "d.csv").write_text('prompt,completion,tools\na,b,\n\n"two\nlines",c,get_weather\n')
+    # One JSON array in a .jsonl file, which datasets reads too: its rows are no lines.
+    (tmp_path / "array.jsonl").write_text(json.dumps([ROWS[0], ROWS[1], bad]) + "\n")
     reason = "'completion' must be a string, got None"
     for name, split, where in [("folder", "train", f"row 5 (b.jsonl, line 3): {reason}"),
                                ("folder", "train[-4:]", f"row 2 (b.jsonl, line 3): {reason}"),
                                ("d.parquet", "train[1:]", f"row 1 (row 2): {reason}"),
+                               ("array.jsonl", "train", f"row 3 (row 3): {reason}"),
                                ("d.csv", "train", "row 2 (line 4): a 'tools' column is read with chat data")]:
         with pytest.raises(ConfigError) as error:
             build_datasets(cfg(tmp_path / name, dataset_split=split), TOKENIZER)
