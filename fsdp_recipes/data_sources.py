@@ -59,6 +59,17 @@ def _first_bad_json_line(path: str) -> Optional[str]:
     return None
 
 
+def _first_value_is_a_line(path: str) -> bool:
+    """Whether the first non-blank line of a file is a JSON value alone, as in a JSON-lines file."""
+    with _open_text(path) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def _parse_error(path: str, error: Exception) -> ConfigError:
     """Name the file and, where it can be found, the line: datasets' own message names neither."""
     where = None
@@ -71,8 +82,10 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
         except json.JSONDecodeError as decode_error:
             # A second value after the first: JSON lines, which datasets reads from a .json file too (as
             # Dataset.to_json writes them); the bad line is then another one.
-            where = (_first_bad_json_line(path) if decode_error.msg == "Extra data"
-                     else f"line {decode_error.lineno}: {decode_error.msg}")
+            # A first value that ends on a line of its own only: after a pretty-printed array, the extra data are
+            # the error, where line 1 ('[') alone would not parse.
+            lines_file = decode_error.msg == "Extra data" and _first_value_is_a_line(path)
+            where = _first_bad_json_line(path) if lines_file else f"line {decode_error.lineno}: {decode_error.msg}"
     if where is None:
         cause = error
         while cause.__cause__ is not None:

@@ -1128,6 +1128,7 @@ def bad_input_cases(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n')
     (tmp_path / "bad.json").write_text('[{"text": "a"},\n {"text": }]\n')
     shutil.copy(tmp_path / "bad.jsonl", tmp_path / "bad_lines.json")  # JSON lines, as Dataset.to_json writes them
+    (tmp_path / "extra.json").write_text('[\n {"text": "a"}\n]\n]\n')  # a pretty-printed array, then extra data
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
     demo.write_jsonl(tmp_path / "cols.jsonl", [{"question": "a", "answer": "b"}])
@@ -1166,6 +1167,7 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
         (cfg(tmp_path / "bad_lines.json"), r"cannot parse .*bad_lines.json, line 3: Expecting ',' delimiter"),
+        (cfg(tmp_path / "extra.json"), r"cannot parse .*extra.json, line 4: Extra data"),
         (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, line 3: 3 fields, the header has 2"),
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(f"{tmp_path}/ok.jsonl,"), r"^dataset_name '.*/ok.jsonl,' has an empty entry: name the data sets "
