@@ -292,9 +292,10 @@ def _folder_files(name: str) -> dict[str, list[str]]:
                               f"use one of {', '.join(_FILE_BUILDERS)} (or one of them compressed: "
                               f"{', '.join(_COMPRESSIONS)}), or move it out of the folder")
     # datasets' naming reads only the files of named splits: beside train.jsonl, a more.jsonl would be left out.
+    # Only data files: a LICENSE beside train.jsonl and test.jsonl (a clone of a Hub data set's repository) is none.
     in_splits = {file for split_files in files.values() for file in split_files}
     left_out = [file for file in DataFilesDict.from_patterns({"train": ["**"]}, base_path=name)["train"]
-                if file not in in_splits]
+                if file not in in_splits and _file_type(file) in _FILE_BUILDERS]
     if left_out:
         more = f" (and {len(left_out) - 1} more files)" if len(left_out) > 1 else ""
         raise ConfigError(f"{left_out[0]}{more}: in none of the splits {list(map(str, files))} of the data folder "

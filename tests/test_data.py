@@ -1147,6 +1147,7 @@ def bad_input_cases(tmp_path):
         (tmp_path / folder).mkdir(parents=True)
     demo.write_jsonl(tmp_path / "named_folder" / "train.jsonl", ROWS)
     demo.write_jsonl(tmp_path / "named_folder" / "more.jsonl", ROWS)
+    (tmp_path / "named_folder" / "LICENSE").write_text("MIT")  # no data file: not named as left out
     demo.write_jsonl(tmp_path / "split_folder" / "train" / "a.jsonl", ROWS)
     demo.write_jsonl(tmp_path / "split_folder" / "test.jsonl", ROWS)
     demo.write_jsonl(tmp_path / "split_folder" / "validation.jsonl", ROWS)
@@ -1470,3 +1471,12 @@ def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
                "[INST]", "[/INST]", "<|endoftext|>", "<bos>"]
     tokenizer = char_tokenizer(template, "<bos>", "<|endoftext|>", special)
     assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing
+
+
+def test_a_data_folder_may_hold_files_that_are_no_data_beside_its_splits(tmp_path):
+    # A clone of a Hub data set's repository: its LICENSE is in no split, and no data either.
+    demo.write_jsonl(tmp_path / "train.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "test.jsonl", ROWS[:2])
+    (tmp_path / "LICENSE").write_text("MIT")
+    train, eval_set = build_datasets(cfg(tmp_path, eval_split="test"), TOKENIZER)
+    assert (len(train), len(eval_set)) == (len(ROWS), 2)
