@@ -62,8 +62,11 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
     # The trainer adds router_aux_loss_coef x the aux_loss of transformers' load_balancing_loss_func: a model with a
     # router but without these would train without the loss (DeepSeek V3, Llama 4) or fail at its first step
     # (JetMoE's and DBRX's coefficients have other names).
-    model_class = AutoModelForCausalLM._model_mapping[type(config)] if type(config) in (
-        AutoModelForCausalLM._model_mapping) else None  # None: the checkpoint's own code, not known before loading
+    # None: the checkpoint's own code, not known before loading; with trust_remote_code, an auto_map entry for
+    # AutoModelForCausalLM loads that code even where config.json's model_type (and so the config class) is native.
+    own_code = cfg.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    model_class = (AutoModelForCausalLM._model_mapping[type(config)]
+                   if type(config) in AutoModelForCausalLM._model_mapping and not own_code else None)
     if (hasattr(config, "output_router_logits") and model_class is not None
             and overrides.get("output_router_logits", "router_aux_loss_coef" in overrides)
             and not (hasattr(sys.modules[model_class.__module__], "load_balancing_loss_func")

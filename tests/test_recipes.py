@@ -596,6 +596,13 @@ def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
         off = parse_config(["--model_name_or_path", str(tmp_path / model_type), "--dataset_name", "d",
                             "--output_router_logits", "false"])
         assert model_config_overrides(off)[0] == {"output_router_logits": False}  # off: nothing to weigh
+    # The checkpoint's own model code (auto_map) over a native config class: what it computes is not known here.
+    config = json.loads((tmp_path / "llama4_text" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_own.OwnForCausalLM"}
+    (tmp_path / "llama4_text" / "config.json").write_text(json.dumps(config))
+    own = parse_config(["--model_name_or_path", str(tmp_path / "llama4_text"), "--dataset_name", "d",
+                        "--output_router_logits", "true", "--trust_remote_code", "true"])
+    assert model_config_overrides(own)[0] == {"output_router_logits": True}
 
 
 def test_router_loss_coefficient_without_router_logits_is_refused(tmp_path):
