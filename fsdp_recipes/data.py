@@ -123,8 +123,8 @@ def on_rank0_first(build: Callable[[], T]) -> T:
 
     They wait on a gloo group of their own with a one-day timeout: tokenizing a large data set can take longer than
     the default group's timeout, which is meant for training collectives. Every rank then waits there for the others
-    too: on a node whose datasets cache is on its own disk, each rank tokenizes again. If rank 0 fails, every rank stops with its
-    error instead of waiting or crashing in a collective.
+    too: on a node whose datasets cache is on its own disk, each rank tokenizes again. If rank 0 fails, every rank
+    stops with its error instead of waiting or crashing in a collective.
     """
     if dist.get_world_size() == 1:
         return build()

@@ -77,9 +77,9 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
                           f"it, or set output_router_logits false")
     missing = [key for key in overrides if not hasattr(config, key)]
     if missing:
-        raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting "
-                          "(no router load-balancing loss to turn on or weigh: a dense model, or a mixture of experts whose "
-                          "forward computes none): remove it")
+        raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting (no "
+                          "router load-balancing loss to turn on or weigh: a dense model, or a mixture of experts "
+                          "whose forward computes none): remove it")
     # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
     # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
     if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
