@@ -59,12 +59,16 @@ def _first_bad_json_line(path: str) -> Optional[str]:
     return None
 
 
+def _first_line(path: str) -> str:
+    """The first non-blank line of a text file ("" for none)."""
+    with _open_text(path) as f:
+        return next((line for line in f if line.strip()), "")
+
+
 def _first_value_is_a_line(path: str) -> bool:
     """Whether the first non-blank line of a file is a JSON value alone, as in a JSON-lines file."""
-    with _open_text(path) as f:
-        first = next((line for line in f if line.strip()), "")
     try:
-        json.loads(first)
+        json.loads(_first_line(path))
     except json.JSONDecodeError:
         return False
     return True
@@ -80,10 +84,9 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
             with _open_text(path) as f:
                 json.load(f)
         except json.JSONDecodeError as decode_error:
-            # A second value after the first: JSON lines, which datasets reads from a .json file too (as
-            # Dataset.to_json writes them); the bad line is then another one.
-            # A first value that ends on a line of its own only: after a pretty-printed array, the extra data are
-            # the error, where line 1 ('[') alone would not parse.
+            # A second value after a first that is a line of its own: JSON lines, which datasets reads from a .json
+            # file too (as Dataset.to_json writes them), whose bad line is another one. After a pretty-printed
+            # array, the extra data are the error.
             lines_file = decode_error.msg == "Extra data" and _first_value_is_a_line(path)
             where = _first_bad_json_line(path) if lines_file else f"line {decode_error.lineno}: {decode_error.msg}"
     if where is None:
@@ -168,12 +171,10 @@ def row_origin(name: str, split: str, index: int) -> Optional[str]:
 def _row_place(file: str, row: int) -> str:
     """'line N' where row `row` (from 0) of a JSON-lines or CSV file starts (blank lines are no rows), else 'row N'
     (also for a .jsonl file that holds one JSON array, which datasets reads too: its rows are no lines)."""
-    if _file_type(file) == ".jsonl":
+    if _file_type(file) == ".jsonl" and not _first_line(file).lstrip().startswith("["):
         with _open_text(file) as f:
-            first = next((line for line in f if line.strip()), "")
-            f.seek(0)
             lines = (number for number, line in enumerate(f, start=1) if line.strip())
-            line = None if first.lstrip().startswith("[") else next(itertools.islice(lines, row, None), None)
+            line = next(itertools.islice(lines, row, None), None)
         if line is not None:
             return f"line {line}"
     elif _file_type(file) == ".csv":
