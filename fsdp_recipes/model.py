@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import ConfigError, TrainConfig
-from .distributed import run_on_rank0
+from .distributed import long_wait_group, run_on_rank0
 from .families import model_load_error
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
@@ -132,7 +132,11 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     """
     dtype = MASTER_DTYPE[plan.mixed_precision]
     if not plan.cpu_ram_efficient_loading:
-        return shard_model(load_model(cfg, dtype), plan, device)
+        model = load_model(cfg, dtype)
+        # Each rank reads (or downloads) at its own pace: they meet here, not in sharding's first collective, whose
+        # 30-minute timeout is meant for training.
+        dist.barrier(group=long_wait_group())
+        return shard_model(model, plan, device)
 
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     overrides, saved_values = model_config_overrides(cfg)

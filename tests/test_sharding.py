@@ -251,6 +251,15 @@ def test_rank0_loading_leaves_other_ranks_with_shards_only(tmp_path):
     assert result["fsdp2_every_rank", 1]["peak_rss_increase"] > full  # measured 1.5: the measurement can tell
 
 
+def test_ranks_reading_the_weights_each_wait_for_the_slowest_on_the_long_wait_group(tiny, tmp_path):
+    """Rank 1 reads the weights 6 s longer than rank 0, past the training group's 3 s timeout: the ranks meet on the
+    long-wait group before sharding, so neither times out in the first collective."""
+    proc = torchrun("tests/drivers/model_load_wait.py", "6", "3", "--model_name_or_path", tiny["model"],
+                    "--dataset_name", "x", timeout=180)
+    for rank in (0, 1):
+        assert f"rank {rank}: sharded, past the training group's barrier" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_hsdp_on_a_2x2_mesh_matches_and_shards_within_each_replica(runs, tiny, tmp_path):
     """4 processes: 2 replicas x 2 shards, the multi-node layout in miniature (2 x 2 sequences = 1 x 8)."""
     variants = {"fsdp2_hsdp": {"dp_replicate_size": 2},
