@@ -271,9 +271,13 @@ class TrainConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        for name in ("adam_epsilon", "weight_decay"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ConfigError(f"{name} must be 0 or a positive number, got {getattr(self, name)}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"weight_decay must be 0 or a positive number, got {self.weight_decay}")
+        if not 0 < self.adam_epsilon < math.inf:
+            # AdamW divides by sqrt(v) + eps: 0/0 for any weight whose gradient is 0 at the first step.
+            raise ConfigError(f"adam_epsilon must be a positive number, got {self.adam_epsilon}: AdamW divides by "
+                              f"sqrt(v) + adam_epsilon, so with 0 a weight whose gradient is 0 (the embedding row of "
+                              f"a token not in the batch) becomes NaN at the first step. Set it to 1e-8, the default")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         shard_size_in_bytes(self.max_shard_size)

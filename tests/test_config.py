@@ -71,6 +71,12 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--learning_rate", "inf"], "learning_rate must be"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_beta2", "1"], r"adam_beta2 must be in \[0, 1\)"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--weight_decay", "-0.1"], "weight_decay must be 0 or"),
+        # 0 is 0/0 in AdamW's update for a weight with no gradient: NaN weights, then a "diverged" run.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_epsilon", "0"],
+         r"^adam_epsilon must be a positive number, got 0.0: AdamW divides by sqrt\(v\) \+ adam_epsilon, so with 0 a "
+         r"weight whose gradient is 0 \(the embedding row of a token not in the batch\) becomes NaN at the first "
+         r"step. Set it to 1e-8, the default$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_epsilon", "inf"], "adam_epsilon must be a "),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
         # Settings that would do nothing: refused, not ignored.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--run_name", "mine"],
