@@ -278,6 +278,9 @@ class TrainConfig:
             raise ConfigError(f"adam_epsilon must be a positive number, got {self.adam_epsilon}: AdamW divides by "
                               f"sqrt(v) + adam_epsilon, so with 0 a weight whose gradient is 0 (the embedding row of "
                               f"a token not in the batch) becomes NaN at the first step. Set it to 1e-8, the default")
+        if math.isnan(self.max_grad_norm):  # NaN > 0 is false: clipping would be silently off
+            raise ConfigError("max_grad_norm must be a number, got nan: set the norm to clip to, or 0 to disable "
+                              "clipping")
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
         shard_size_in_bytes(self.max_shard_size)
