@@ -278,6 +278,10 @@ class TrainConfig:
             raise ConfigError(f"adam_epsilon must be a positive number, got {self.adam_epsilon}: AdamW divides by "
                               f"sqrt(v) + adam_epsilon, so with 0 a weight whose gradient is 0 (the embedding row of "
                               f"a token not in the batch) becomes NaN at the first step. Set it to 1e-8, the default")
+        if self.router_aux_loss_coef is not None and not 0 <= self.router_aux_loss_coef < math.inf:
+            # Negative, the loss would reward routing every token to the same experts; NaN, it would be NaN.
+            raise ConfigError(f"router_aux_loss_coef must be 0 or a positive number (most of transformers' MoE "
+                              f"models default to 0.001), got {self.router_aux_loss_coef}")
         if math.isnan(self.max_grad_norm):  # NaN > 0 is false: clipping would be silently off
             raise ConfigError("max_grad_norm must be a number, got nan: set the norm to clip to, or 0 to disable "
                               "clipping")

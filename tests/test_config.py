@@ -78,6 +78,11 @@ def test_unknown_cli_flag_is_named():
          r"step. Set it to 1e-8, the default$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_epsilon", "inf"], "adam_epsilon must be a "),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--router_aux_loss_coef", "-0.001"],
+         r"^router_aux_loss_coef must be 0 or a positive number \(most of transformers' MoE models default to "
+         r"0.001\), got -0.001$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--router_aux_loss_coef", "nan"],
+         "^router_aux_loss_coef must be 0 or a positive number .*got nan$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_grad_norm", "nan"],
          "^max_grad_norm must be a number, got nan: set the norm to clip to, or 0 to disable clipping$"),
         # Settings that would do nothing: refused, not ignored.
