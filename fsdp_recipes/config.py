@@ -221,6 +221,9 @@ class TrainConfig:
         if str(self.resume_from_checkpoint).lower() == "true":
             raise ConfigError("resume_from_checkpoint true: set it to auto (the checkpoint output_dir's `latest` "
                               "names) or to a checkpoint folder")
+        if str(self.resume_from_checkpoint).lower() == "false":  # not a folder, nor quoted into one
+            raise ConfigError("resume_from_checkpoint false: leave it unset (null) to start fresh, or set it to auto "
+                              "or to a checkpoint folder")
         check_field_types(self)
         # As TrainingArguments does: YAML and `--key=~/x` leave the home folder unexpanded. (dataset_name is
         # expanded name by name where it is read, so that a checkpoint records it as written.)

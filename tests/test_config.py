@@ -107,6 +107,8 @@ def test_unknown_cli_flag_is_named():
          "every_micro_batch"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--resume_from_checkpoint", "true"],
          "resume_from_checkpoint true: set it to auto"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--resume_from_checkpoint", "False"],
+         r"^resume_from_checkpoint false: leave it unset \(null\) to start fresh"),
         # Checkpoint settings without checkpoints: the run would save none, against what they say.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--save_total_limit", "2"],
          r"^save_total_limit applies to checkpoints, which save_steps 0 turns off \(only final/ is saved\): set "
@@ -146,6 +148,9 @@ def test_bad_values_are_explained(args, message):
     # YAML keeps the last of two equal keys: an edit at the bottom of a copied recipe would silently lose or win.
     ("max_steps: 5\nmax_steps: 6", r"is not valid YAML: key 'max_steps' is set twice in .* line 4"),
     ("resume_from_checkpoint: true", "resume_from_checkpoint true: set it to auto"),
+    # Not "quote it": a quoted false would name a checkpoint folder.
+    ("resume_from_checkpoint: false", r"^resume_from_checkpoint false: leave it unset \(null\) to start fresh, or set "
+                                      r"it to auto or to a checkpoint folder$"),
     ("mixed_precision: no", r"got False \(YAML reads an unquoted yes, no, on or off as true or false: quote it\)"),
     # A key that is not a name (a boolean, a number, a list) is named with its line, not a traceback.
     ("no: 3", r"key no is not a name \(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it\)"
