@@ -23,7 +23,11 @@ def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
     if cfg.max_steps > 0:
         return cfg.max_steps
     # Rounded first: 1.1 epochs of 100 steps is 110.00000000000001 in floats, which ceil would make 111.
-    return math.ceil(round(cfg.num_train_epochs * steps_per_epoch, 6))
+    total_steps = math.ceil(round(cfg.num_train_epochs * steps_per_epoch, 6))
+    if total_steps == 0:  # a run that would export the model untouched
+        raise ConfigError(f"num_train_epochs {cfg.num_train_epochs} of {steps_per_epoch} steps an epoch is no "
+                          f"optimizer step: raise num_train_epochs, or set max_steps")
+    return total_steps
 
 
 def check_run_length(cfg: TrainConfig, dataset, world_size: int) -> None:

@@ -53,6 +53,9 @@ def test_data_too_small_for_one_step_says_which_key_to_change():
                                           "gradient_accumulation_steps=8: lower it or add data$"):
         count_total_steps(config("--gradient_accumulation_steps", "8"), examples, world_size=2)
     assert count_total_steps(config("--gradient_accumulation_steps", "2", "--num_train_epochs", "3"), examples, 2) == 6
+    with pytest.raises(ConfigError, match=r"^num_train_epochs 1e-09 of 5 steps an epoch is no optimizer step: raise "
+                                          "num_train_epochs, or set max_steps$"):
+        count_total_steps(config("--num_train_epochs", "1e-9"), examples, world_size=2)
 
 
 def test_fractions_of_a_run_are_not_rounded_up_past_a_whole_step():
