@@ -130,11 +130,12 @@ def fsdp_groups(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[nn.Par
 @dataclass(frozen=True)
 class SavedActivations:
     """What one micro-batch's forward leaves for backward, measured: bytes per decoder layer that ran (not a
-    multimodal model's vision and audio towers, idle on text), and one layer's input (all a checkpointed layer
-    keeps)."""
+    multimodal model's vision and audio towers, idle on text), one layer's input (all a checkpointed layer
+    keeps), and the names of the parameters the forward used: only those get gradients and AdamW states."""
     tokens: int
     per_layer: tuple[int, ...]
     layer_input: int
+    trained: frozenset[str]
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
@@ -210,7 +211,23 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
     packed, full = (_saved_per_layer(model, batch, seq_len, layout) for layout in ("packed", "full"))
     return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
-                            max(packed.layer_input, full.layer_input))
+                            max(packed.layer_input, full.layer_input), packed.trained | full.trained)
+
+
+def _used_parameters(model: nn.Module, output: torch.Tensor) -> frozenset[str]:
+    """The names of the parameters `output`'s autograd graph reaches: those backward gives a gradient."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    used, seen, nodes = set(), set(), [output.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf, such as a parameter
+        if variable is not None and id(variable) in names:
+            used.add(names[id(variable)])
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return frozenset(used)
 
 
 def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) -> SavedActivations:
@@ -257,11 +274,12 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) ->
               mock.patch.object(masking_utils, "find_packed_sequence_indices",
                                 torch.zeros_like if packed else lambda position_ids: None),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
-            model(input_ids=input_ids, use_cache=False, **extra)
+            logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     finally:
         for handle in handles:
             handle.remove()
-    return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs))
+    return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs),
+                            _used_parameters(model, logits))
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
@@ -269,10 +287,15 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     master = MASTER_DTYPE[mixed_precision].itemsize
     compute = COMPUTE_DTYPE[mixed_precision].itemsize
     shard_size = num_gpus // num_nodes if setting.strategy == "HSDP" else num_gpus
-    params = list(model.parameters())
-    state = sharded_numel(params, shard_size) * master
+    params = sharded_numel(list(model.parameters()), shard_size) * master
+    # A multimodal model's vision and audio towers do not run on text: no gradients, no AdamW states, never
+    # gathered (their decoder layers), nor any gradient buffer.
+    trained_ids = {id(p) for name, p in model.named_parameters() if name in saved.trained}
+    trained = [p for p in model.parameters() if id(p) in trained_ids]
+    state = sharded_numel(trained, shard_size) * master
 
     layers, root = fsdp_groups(model)
+    layers = [layer for layer in layers if any(id(p) in trained_ids for p in layer)]
 
     def gathered_numel(group: list[nn.Parameter]) -> int:  # all-gather output: padded shards x shard_size
         return sharded_numel(group, shard_size) * shard_size
@@ -286,7 +309,8 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     # The root's full gradient (lm_head's is ready first, then waits for the embedding's), and one layer's full
     # gradient in compute dtype with its reduce-scatter input in reduce dtype.
     reduce = REDUCE_DTYPE[mixed_precision].itemsize
-    grad_buffers = gathered_numel(root) * compute + largest_layer * (compute + reduce)
+    trained_root = [p for p in root if id(p) in trained_ids]
+    grad_buffers = gathered_numel(trained_root) * compute + largest_layer * (compute + reduce)
 
     if setting.activation_checkpointing:  # each layer's input, and one layer recomputed in backward
         activations = len(saved.per_layer) * saved.layer_input + max(saved.per_layer)
@@ -298,7 +322,7 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     text_config = model.config.get_text_config()
     softcapped = compute if getattr(text_config, "final_logit_softcapping", None) else 0
     logits = saved.tokens * text_config.vocab_size * (compute + 12 + softcapped)
-    return Estimate(params=state, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
+    return Estimate(params=params, grads=state, optimizer=2 * state, gathered=gathered, grad_buffers=grad_buffers,
                     activations=activations, logits=logits, offload=setting.offload)
 
 

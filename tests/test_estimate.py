@@ -12,14 +12,14 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4Config, Gemma4TextConfig,
-                          Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig,
-                          T5Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
+                          Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config,
+                          Qwen3MoeConfig, T5Config)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, estimate, load_config, main,
-                                   measure_activations, parse_args, recommend)
+from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, estimate, fsdp_groups, load_config,
+                                   main, measure_activations, parse_args, recommend)
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
 from fsdp_recipes.trainer import token_loss_sum
@@ -52,7 +52,16 @@ VARIANTS = {
     "llama_fp32_offload": ("llama", "no", "FULL_SHARD", True),
     "tied_fp32_full_shard": ("tied", "no", "FULL_SHARD", False),
     "mixtral_fp32_full_shard": ("mixtral", "no", "FULL_SHARD", False),
+    # Trained on text: its vision tower gets no gradients and no AdamW states.
+    "gemma3_multimodal_bf16_full_shard": ("gemma3_multimodal", "bf16", "FULL_SHARD", False),
+    "gemma3_multimodal_fp32_offload": ("gemma3_multimodal", "no", "FULL_SHARD", True),
 }
+GEMMA3_MULTIMODAL = Gemma3Config(
+    text_config=dict(hidden_size=40, intermediate_size=75, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=10, vocab_size=301),
+    vision_config=dict(hidden_size=24, intermediate_size=50, num_hidden_layers=2, num_attention_heads=2,
+                       image_size=28, patch_size=14),
+    mm_tokens_per_image=4)
 
 
 def write_config(path, config: dict):
@@ -72,6 +81,7 @@ def configs(tmp_path_factory):
                                                                      num_experts_per_tok=2, **UNEVEN).to_dict()),
         "8b": write_config(root / "llama_8b" / "config.json", LLAMA_3_1_8B),
         "70b": write_config(root / "llama_70b.json", LLAMA_3_1_70B),
+        "gemma3_multimodal": write_config(root / "gemma3_multimodal.json", GEMMA3_MULTIMODAL.to_dict()),
     }
 
 
@@ -286,7 +296,10 @@ GEMMA4_MULTIMODAL = Gemma4Config(text_config=GEMMA4_TEXT, audio_config=None,
 
 def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys):
     saved = measure_activations(GEMMA4_MULTIMODAL, "bf16", batch=1, seq_len=64, attn_implementation="sdpa")
-    assert saved == measure_activations(Gemma4TextConfig(**GEMMA4_TEXT), "bf16", 1, 64, "sdpa")
+    text = measure_activations(Gemma4TextConfig(**GEMMA4_TEXT), "bf16", 1, 64, "sdpa")
+    assert (saved.tokens, saved.per_layer, saved.layer_input) == (text.tokens, text.per_layer, text.layer_input)
+    # Trained: the language model's parameters, none of the vision tower's.
+    assert {name.replace("model.language_model.", "model.") for name in saved.trained} == text.trained
     assert saved.per_layer == (370_562, 462_850) and saved.layer_input == 64 * 64 * 2
     model = build_meta_model(GEMMA4_MULTIMODAL, torch.float32)
     est = estimate(model, Setting("FULL_SHARD", True, False), 2, 1, "bf16", saved)
@@ -294,6 +307,13 @@ def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys)
     # language model's vocabulary of 1000.
     assert est.activations == 2 * 64 * 64 * 2 + 462_850
     assert est.logits == 64 * 1000 * (2 + 12)
+    # Gathered in bf16, on 1 GPU (no padding): the root and the language model's layers, never the vision tower's
+    # (its patch embedder, a unit of 679,936 parameters, is 13 times the largest language model layer).
+    _, root = fsdp_groups(model)
+    text_layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.language_model.layers]
+    for strategy, kept in [("FULL_SHARD", 2 * max(text_layers)), ("SHARD_GRAD_OP", sum(text_layers))]:
+        one_gpu = estimate(model, Setting(strategy, False, False), 1, 1, "bf16", saved)
+        assert one_gpu.gathered == 2 * (sum(p.numel() for p in root) + kept)
     main(["--model", str(write_config(tmp_path / "gemma4.json", GEMMA4_MULTIMODAL.to_dict())), "--num_gpus", "2",
           "--seq_len", "64", "--batch", "1", "--activation_checkpointing"])
     total = sum(p.numel() for p in model.parameters())

@@ -40,7 +40,7 @@ def held_bytes(spec: dict, env) -> dict:
     )
     model = shard_model(model, plan, env.device)
     optimizer = build_optimizer(model, TrainConfig(model_name_or_path=spec["config"], dataset_name="unused"))
-    ids = torch.randint(0, config.vocab_size, (2, 16), device=env.device)
+    ids = torch.randint(0, config.get_text_config().vocab_size, (2, 16), device=env.device)  # text only
     token_loss_sum(model(input_ids=ids).logits, ids).backward()
     grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
     optimizer.step()
