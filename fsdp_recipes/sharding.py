@@ -320,8 +320,10 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         # FSDP1's no_sync accumulates the unsharded gradients in the compute dtype; FSDP2 in the reduction dtype.
         dtype = " in bf16" if plan.fsdp_version == 1 and plan.mixed_precision == "bf16" else ""
         sync = f"last micro-batch of each step, full gradients accumulate{dtype} in between"
-    # Size-based units do not name the layer classes that checkpointing and compile apply to: say which they are.
-    layers = "each decoder layer" if plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else f"each {plan.layer_classes}"
+    # Name the classes that checkpointing and compile apply to unless they are the decoder layers the model declares:
+    # size-based units do not name them, and fsdp_transformer_layer_cls_to_wrap may name another (LlamaMLP).
+    default_layers = plan.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and plan.layer_cls_names is None
+    layers = "each decoder layer" if default_layers else f"each {plan.layer_classes}"
     lines = [
         # The device says what ran: a GPU accelerate config on a machine without CUDA trains on the CPU.
         f"engine: {engine} over {world} ranks on {device}",

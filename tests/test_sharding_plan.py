@@ -254,6 +254,20 @@ def test_size_based_units_take_layer_classes_for_checkpointing_and_compile(accel
     assert "  activation checkpointing: each LlamaMLP" in printed.splitlines()
 
 
+def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the_decoder_layers(accelerate_env):
+    for classes, applied_to in [(None, "each decoder layer"), ("LlamaMLP", "each LlamaMLP")]:
+        args = ["--fsdp_transformer_layer_cls_to_wrap", classes] if classes else []
+        plan = plan_for("--fsdp_activation_checkpointing", "true", "--mixed_precision", "no", *args)
+        with process_group_of(2):
+            model = shard_model(tiny_model(), plan, torch.device("cpu"))
+            printed = describe_plan(model, plan).splitlines()
+        wrapped = "LlamaMLP" if classes else "LlamaDecoderLayer"
+        assert [type(m._checkpoint_wrapped_module).__name__ for m in model.modules()
+                if hasattr(m, "_checkpoint_wrapped_module")] == [wrapped]
+        assert f"  wrapped: 1 x {wrapped}, then the root" in printed
+        assert f"  activation checkpointing: {applied_to}" in printed
+
+
 def tiny_model(dtype=torch.float32, **config):
     return demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32, intermediate_size=64,
                                                         num_hidden_layers=1, **config)).to(dtype)
