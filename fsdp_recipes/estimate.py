@@ -60,12 +60,14 @@ class Setting:
         """Every key the setting depends on, false ones too: the recipe's YAML may set another value."""
         # The engine estimated: an FSDP1 accelerate config (or one without fsdp_version, accelerate's default 1)
         # would otherwise refuse fsdp_reshard_after_forward.
-        keys = ["fsdp_version: 2", f"fsdp_reshard_after_forward: {str(self.strategy != 'SHARD_GRAD_OP').lower()}"]
+        keys = ["fsdp_version: 2", "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+                f"fsdp_reshard_after_forward: {str(self.strategy != 'SHARD_GRAD_OP').lower()}"]
         # On several nodes the replica count is always given: slurm/launch_node.sh sets accelerate's to the node
         # count (HSDP), and FULL_SHARD and SHARD_GRAD_OP, estimated over every GPU, need the recipe's 1 to override it.
         keys += [f"dp_replicate_size: {num_nodes if self.strategy == 'HSDP' else 1}"] * (num_nodes > 1)
+        # Not modelled, so ruled out: size-based units, and last_micro_batch's full gradients between micro-batches.
         keys += [f"fsdp_activation_checkpointing: {str(self.activation_checkpointing).lower()}",
-                 f"fsdp_offload_params: {str(self.offload).lower()}"]
+                 f"fsdp_offload_params: {str(self.offload).lower()}", "gradient_sync: every_micro_batch"]
         return ", ".join(keys)
 
 

@@ -390,9 +390,10 @@ def test_70b_on_2_nodes_gets_full_shard_over_all_16_gpus(configs, llama_70b, tmp
     proposal = recommend(model, args, saved)
     assert proposal.startswith("recommended: FULL_SHARD with activation checkpointing: ")
     [keys] = re.findall(r"\(recipe config: (.*)\)$", proposal)
-    assert keys == ("fsdp_version: 2, fsdp_reshard_after_forward: true, dp_replicate_size: 1, "
-                    "fsdp_activation_checkpointing: true, fsdp_offload_params: false, mixed_precision: bf16, "
-                    "per_device_train_batch_size: 4, max_seq_length: 2048, attn_implementation: sdpa")
+    assert keys == ("fsdp_version: 2, fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_reshard_after_forward: true, "
+                    "dp_replicate_size: 1, fsdp_activation_checkpointing: true, fsdp_offload_params: false, "
+                    "gradient_sync: every_micro_batch, mixed_precision: bf16, per_device_train_batch_size: 4, "
+                    "max_seq_length: 2048, attn_implementation: sdpa")
     plan = plan_under_launch_node(keys, tmp_path, monkeypatch)
     assert plan.mesh_shape == (16,) and plan.reshard_after_forward and plan.activation_checkpointing
     assert plan.mixed_precision == "bf16"
@@ -419,6 +420,19 @@ def test_recipe_keys_under_an_fsdp1_accelerate_config_run_fsdp2_as_estimated(tmp
                                       "--dataset_name", "d"]))
     assert (plan.fsdp_version, plan.sharding_strategy, plan.activation_checkpointing) == (2, strategy, True)
     assert plan.overrides[0] == "fsdp_version: recipe config 2 overrides accelerate config 1"
+
+
+def test_recipe_keys_override_a_recipe_configs_settings_the_estimate_does_not_model(tmp_path):
+    # A copied recipe YAML with size-based units and full gradients held between micro-batches, the keys given on
+    # the command line: the run is the one estimated.
+    (tmp_path / "recipe.yaml").write_text("fsdp_auto_wrap_policy: SIZE_BASED_WRAP\ngradient_sync: last_micro_batch\n"
+                                          "gradient_accumulation_steps: 4\n")
+    keys = [f"--{key}={value}" for key, value in (pair.split(": ") for pair in
+                                                  Setting("FULL_SHARD", False, False).recipe_keys(1).split(", "))]
+    plan = resolve_plan(parse_config(["--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path", "m",
+                                      "--dataset_name", "d", *keys]))
+    assert (plan.fsdp_version, plan.auto_wrap_policy, plan.gradient_sync) == (2, "TRANSFORMER_BASED_WRAP",
+                                                                             "every_micro_batch")
 
 
 def test_recipe_keys_of_every_precision_read_back_as_a_recipe_config(configs, llama_70b, tmp_path):
