@@ -220,8 +220,7 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
     if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
-        check_checkpoint_folder(resume, f", or --output_dir {resume} --resume_from_checkpoint auto to resume from "
-                                        f"the one its `latest` file names")
+        check_checkpoint_folder(resume, resuming=True)
     # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
     inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
     if cfg.overwrite_output_dir and inside:
@@ -314,12 +313,23 @@ def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
                                   f"output_dir")
 
 
-def check_checkpoint_folder(path: str, output_dir_advice: str = "") -> None:
-    """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead."""
+def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
+    """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead; `resuming` adds the
+    advice to resume with `auto`."""
+    auto = lambda output_dir: (f", or --output_dir {output_dir} --resume_from_checkpoint auto to resume from the one "
+                               f"its `latest` file names" if resuming else "")
     if path.rstrip("/").endswith(".tmp"):
         raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): pass a checkpoint-<step> folder")
     if os.path.isfile(os.path.join(path, STATE_NAME)):
         return
+    if os.path.basename(os.path.normpath(path)) == LATEST_NAME and os.path.isfile(path):  # a run's `latest` file
+        with open(path) as f:
+            named = os.path.join(os.path.dirname(path), f.read().strip())
+        raise CheckpointError(f"{path} is the file that names a run's newest checkpoint, not a checkpoint: pass "
+                              f"{named}{auto(os.path.dirname(path) or '.')}")
+    if path == LATEST_NAME and resuming and not os.path.exists(path):  # the word other trainers take for it
+        raise CheckpointError(f"{path} does not exist: pass --resume_from_checkpoint auto to resume from the "
+                              f"checkpoint that output_dir's `latest` file names, or a checkpoint-<step> folder")
     if not os.path.exists(path):  # a mistyped step, or one retention has removed: say which are there
         parent = os.path.dirname(os.path.abspath(path))
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(parent))
@@ -328,7 +338,7 @@ def check_checkpoint_folder(path: str, output_dir_advice: str = "") -> None:
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST_NAME)) or checkpoint_steps(path)):
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
         raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): pass one of its "
-                              f"checkpoint-<step> folders{output_dir_advice}")
+                              f"checkpoint-<step> folders{auto(path)}")
     raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
                           f"(expected a checkpoint-<step> folder written by this project)")
 

@@ -729,6 +729,30 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_group, monkeypatch):
+    # A run's `latest` file is a natural guess for the checkpoint to resume or convert, and `latest` the word other
+    # trainers take for the newest checkpoint: each is told what to pass instead of "not a checkpoint".
+    run = tmp_path / "run"
+    fake_checkpoint(run / "checkpoint-6")
+    (run / "latest").write_text("checkpoint-6")
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(tmp_path / "new", "--resume_from_checkpoint", run / "latest"))
+    assert str(error.value) == (
+        f"{run}/latest is the file that names a run's newest checkpoint, not a checkpoint: pass {run}/checkpoint-6, or "
+        f"--output_dir {run} --resume_from_checkpoint auto to resume from the one its `latest` file names")
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(str(run / "latest"))  # the converter's check: no resume advice
+    assert str(error.value) == (f"{run}/latest is the file that names a run's newest checkpoint, not a checkpoint: "
+                                f"pass {run}/checkpoint-6")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(run, "--resume_from_checkpoint", "latest"))
+    assert str(error.value) == (
+        "latest does not exist: pass --resume_from_checkpoint auto to resume from the checkpoint that output_dir's "
+        "`latest` file names, or a checkpoint-<step> folder")
+    assert sorted(os.listdir(run)) == ["checkpoint-6", "latest"]
+
+
 def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
     real, link = tmp_path / "real", tmp_path / "link"
     fake_checkpoint(real / "checkpoint-4")
