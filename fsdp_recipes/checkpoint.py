@@ -316,8 +316,10 @@ def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
 def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
     """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead; `resuming` adds the
     advice to resume with `auto`."""
-    auto = lambda output_dir: (f", or --output_dir {output_dir} --resume_from_checkpoint auto to resume from the one "
-                               f"its `latest` file names" if resuming else "")
+    def auto(output_dir: str) -> str:
+        return (f", or --output_dir {output_dir} --resume_from_checkpoint auto to resume from the one its `latest` "
+                f"file names" if resuming else "")
+
     if path.rstrip("/").endswith(".tmp"):
         raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): pass a checkpoint-<step> folder")
     if os.path.isfile(os.path.join(path, STATE_NAME)):
