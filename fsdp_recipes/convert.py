@@ -68,10 +68,7 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         raise CheckpointError(f"{out_dir} is a mount point: give a new folder inside it, such as {out_dir}/hf")
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
-    # A new folder of its own next to out_dir (the last rename stays on one filesystem): nothing of the user's is
-    # ever removed (an out_dir.tmp or out_dir.old included); a failure removes this folder, a kill leaves it.
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(out_dir), prefix=f"{os.path.basename(out_dir)}.converting-")
+    tmp = make_own_folder(out_dir)
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output is an ordinary folder
         write_hf_folder(checkpoint, state, config, tmp, dtype, max_shard_size)
@@ -79,6 +76,24 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def make_own_folder(out_dir: str) -> str:
+    """A new folder of its own next to out_dir (the last rename stays on one filesystem): nothing of the user's is
+    ever removed (an out_dir.tmp or out_dir.old included); a failure removes this folder, a kill leaves it."""
+    parent = os.path.dirname(out_dir)
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):  # makedirs' own error names the file, not the problem
+        raise CheckpointError(f"{out_dir} cannot be created: {existing} is a file, not a folder: choose another "
+                              f"output folder")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(dir=parent, prefix=f"{os.path.basename(out_dir)}.converting-")
+    except OSError as error:  # a read-only file system, a folder of another user's
+        raise CheckpointError(f"cannot write in {parent} ({error.strerror}): choose an output folder where you "
+                              f"can write") from error
 
 
 def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dtype: torch.dtype,

@@ -583,6 +583,36 @@ def test_converter_refuses_an_empty_mount_point_before_writing(reference, tmp_pa
         subprocess.run(["umount", tmp_path / "volume"], check=True)
 
 
+def small_checkpoint(tiny, tmp_path) -> str:
+    """A sharded checkpoint of the tiny tied Llama, saved by this process (a one-process group)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "run")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    return save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), load_tokenizer(cfg), 2, 0,
+                           None)
+
+
+def test_converter_names_an_output_folder_it_cannot_create(tiny, tmp_path, one_process_group):
+    # A file where a folder of the path should be: makedirs' FileExistsError named the file, not the problem.
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    (tmp_path / "notes").write_text("mine")
+    for out in ["notes/hf", "notes/models/hf"]:
+        with pytest.raises(CheckpointError) as error:
+            convert(checkpoint, str(tmp_path / out))
+        assert str(error.value) == (f"{tmp_path}/{out} cannot be created: {tmp_path}/notes is a file, not a folder: "
+                                    f"choose another output folder")
+    assert (tmp_path / "notes").read_text() == "mine"
+    if not can_mount_a_tmpfs():
+        pytest.skip("a read-only file system needs root and unshare, to mount a tmpfs of its own")
+    # A read-only file system (in a mount namespace of the converter's own): one line, no traceback.
+    (tmp_path / "read_only").mkdir()
+    proc = run(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o ro tmpfs "$0" && "$@"', tmp_path / "read_only",
+                sys.executable, "-m", "fsdp_recipes.convert", checkpoint, tmp_path / "read_only" / "hf"], expect_rc=2)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: cannot write in {tmp_path}/read_only (Read-only file system): choose an output folder where you "
+        f"can write"]
+
+
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "not_a_checkpoint").mkdir()
     with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):
