@@ -11,7 +11,7 @@ mixture of experts' fused expert tensor is written as the per-expert matrices of
 held with its split copies (about 2.25x the fused tensor).
 
 The folder is written under `<out_dir>.converting-<random>` next to it and renamed to out_dir (absent or empty)
-when complete; a failure removes that folder, and nothing else is ever removed.
+when complete and on disk (fsynced); a failure removes that folder, and nothing else is ever removed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import INDEX_NAME, SAFETENSORS_DTYPES, original_layout_of, weight_dtypes, write_hf_weights
+from .export import (INDEX_NAME, SAFETENSORS_DTYPES, fsync, fsync_tree, original_layout_of, weight_dtypes,
+                     write_hf_weights)
 from .flops import build_meta_model
 
 # What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
@@ -72,7 +73,10 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output is an ordinary folder
         write_hf_folder(checkpoint, state, config, tmp, dtype, max_shard_size)
+        # On disk before the rename, and the rename after it: the checkpoint may be removed once out_dir is there.
+        fsync_tree(tmp)
         os.replace(tmp, out_dir)  # onto an absent or empty out_dir only: a folder with files in it stops the rename
+        fsync(os.path.dirname(out_dir))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

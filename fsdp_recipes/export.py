@@ -151,6 +151,14 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: str) -> None:
+    """Flush every file under `root` and every folder's entries to the disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fsync(os.path.join(folder, name))
+        fsync(folder)
+
+
 def replace_dir(tmp_dir: str, out_dir: str) -> None:
     """Move the finished `tmp_dir` to `out_dir`, replacing an older `out_dir` only once the new one is complete."""
     old_dir = out_dir.rstrip("/") + ".old"
@@ -237,10 +245,7 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
         write_gathered_weights(model, state_dict, tmp_dir, dtype, max_shard_size, original_layout=True)
         write_model_files(model, tokenizer, tmp_dir, dtype)
         # On disk before the rename: a node that crashes right after the run must not leave a folder of empty files.
-        for folder, _, files in os.walk(tmp_dir):
-            for name in files:
-                fsync(os.path.join(folder, name))
-            fsync(folder)
+        fsync_tree(tmp_dir)
         replace_dir(tmp_dir, out_dir)
         fsync(os.path.dirname(os.path.abspath(out_dir)))
 

@@ -613,6 +613,28 @@ def test_converter_names_an_output_folder_it_cannot_create(tiny, tmp_path, one_p
         f"can write"]
 
 
+def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_process_group, monkeypatch):
+    """As final/: every file and folder the converter wrote is fsynced before the rename, the rename after it (the
+    checkpoint is often removed once the folder is there; os.fsync and os.replace are recorded, and still called)."""
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    convert(checkpoint, str(tmp_path / "hf"), torch.bfloat16, "100KB")
+    monkeypatch.undo()
+    [(_, tmp, out)] = [event for event in events if event[0] == "replace"]
+    assert out == f"{tmp_path}/hf" and os.path.basename(tmp).startswith("hf.converting-")
+    renamed = events.index(("replace", tmp, out))
+    synced_before = {path.replace(tmp, out) for _, path in events[:renamed]}
+    written = {str(p) for p in (tmp_path / "hf").glob("**/*")}
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    assert synced_before >= written | {out}, written - synced_before
+    assert events[renamed + 1:] == [("fsync", str(tmp_path))]
+
+
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "not_a_checkpoint").mkdir()
     with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):
