@@ -494,6 +494,7 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     if dist.get_rank() == 0 and os.path.isfile(latest):
         with open(latest) as f:
             found[0] = os.path.join(output_dir, f.read().strip())
+        restore_replaced_checkpoint(found[0])
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None and not os.path.isdir(found[0]):
         steps = checkpoint_steps(output_dir)
@@ -504,6 +505,16 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
         raise CheckpointError(f"resume_from_checkpoint auto: `latest` names {found[0]}, which does not exist; "
                               f"{present}")
     return found[0]
+
+
+def restore_replaced_checkpoint(path: str) -> None:
+    """Put back `path` from its .old copy if a save of the same step was killed between replace_dir's two renames
+    (a resume from an older checkpoint saves the step `latest` names again). The .old copy is whole: replace_dir
+    removes it only once the new folder is in place."""
+    if not os.path.exists(path) and os.path.isdir(path + ".old"):
+        os.replace(path + ".old", path)
+        fsync(os.path.dirname(path))
+        print_line(f"{path}: restored from {os.path.basename(path)}.old, left by a save killed while replacing it")
 
 
 def training_data_identity(dataset) -> dict:
