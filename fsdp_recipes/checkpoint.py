@@ -322,6 +322,9 @@ def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
 
     if path.rstrip("/").endswith(".tmp"):
         raise CheckpointError(f"{path} is an unfinished save (a .tmp folder): pass a checkpoint-<step> folder")
+    if path.rstrip("/").endswith(".old"):  # replace_dir's, or retention's, partly removed perhaps
+        raise CheckpointError(f"{path} is a checkpoint being replaced or removed (an .old folder): pass a "
+                              f"checkpoint-<step> folder")
     if os.path.isfile(os.path.join(path, STATE_NAME)):
         return
     if os.path.basename(os.path.normpath(path)) == LATEST_NAME and os.path.isfile(path):  # a run's `latest` file

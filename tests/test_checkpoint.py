@@ -765,6 +765,14 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
     assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-6"
     assert not (tmp_path / "checkpoint-6.old").exists() and (tmp_path / "checkpoint-6" / "trainer_state.json").exists()
     os.rmdir(tmp_path / "checkpoint-6.tmp")
+    # Named by hand, neither the killed save's folder nor a copy being removed is taken for a checkpoint.
+    for name, what in [("checkpoint-8.tmp", "an unfinished save (a .tmp folder)"),
+                       ("checkpoint-6.old", "a checkpoint being replaced or removed (an .old folder)")]:
+        fake_checkpoint(tmp_path / "more" / name)
+        with pytest.raises(CheckpointError) as error:
+            prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", tmp_path / "more" / name))
+        assert str(error.value) == f"{tmp_path}/more/{name} is {what}: pass a checkpoint-<step> folder"
+    shutil.rmtree(tmp_path / "more")
     with pytest.raises(ConfigError, match="overwrite_output_dir true removes the checkpoints in .* pass only one"):
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto", "--overwrite_output_dir", "true"))
     with pytest.raises(ConfigError, match="resumes from one of them"):
