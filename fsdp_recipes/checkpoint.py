@@ -367,8 +367,9 @@ def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")
                 raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
     if "optimizer" in parts:
         read_dcp_metadata(os.path.join(path, "optimizer"))
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path} is incomplete: config.json is missing")
+    for name in ["config.json", *state.get("model_files", [])]:  # the list: since 2026-12 (older ones lack it)
+        if not os.path.isfile(os.path.join(path, name)):
+            raise CheckpointError(f"{path} is incomplete: {name} is missing")
     for rank in range(state["world_size"] if "rng" in parts else 0):
         rng_file = os.path.join(path, "rng", f"rank_{rank}.pt")
         if not os.path.isfile(rng_file):
@@ -673,19 +674,18 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
         fsync(os.path.join(tmp, "rng", f"rank_{rank}.pt"))  # each rank its own: another client's fsync may not
         if rank == 0:
             write_model_files(model, tokenizer, tmp, torch.float32)
-            state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt,
+            # The files rank 0 wrote: the model and tokenizer files (named chat templates in a folder of their own),
+            # the full format's weights. DCP syncs its own files, and each rank its RNG file. Listed in the state, so
+            # that a copy missing one (an interrupted rsync) is refused, not converted without it.
+            model_files = [os.path.relpath(file, tmp) for file in files_outside(tmp, ("rng", "model", "optimizer"))]
+            state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt, "model_files": model_files,
                      "master_dtype": master_dtype(model), "loaded_in_model_layout": loaded_in_model_layout(model),
                      "scheduler": scheduler.state_dict(), **(wandb_run or {}),
                      "config": cfg.to_dict(), "train_data": train_data}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)
-            # The files rank 0 wrote: the state, the model and tokenizer files (named chat templates in a folder of
-            # their own), the full format's weights. DCP syncs its own files, and each rank its RNG file.
-            for folder, subfolders, files in os.walk(tmp):
-                if folder == tmp:
-                    subfolders[:] = [name for name in subfolders if name not in ("rng", "model", "optimizer")]
-                for name in files:
-                    fsync(os.path.join(folder, name))
+            for name in [*model_files, STATE_NAME]:
+                fsync(os.path.join(tmp, name))
 
     def finish():
         # On disk before `latest` names the checkpoint and retention removes older ones: a node that crashes right
@@ -725,6 +725,16 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     _write_on_every_rank(finish, tmp, cfg.output_dir)
     print_line(f"saved {final} ({fmt})")
     return final
+
+
+def files_outside(root: str, subfolders: tuple[str, ...]) -> list[str]:
+    """The files under `root`, sorted, but for those in its `subfolders`."""
+    found = []
+    for folder, children, files in os.walk(root):
+        if folder == root:
+            children[:] = [name for name in children if name not in subfolders]
+        found += [os.path.join(folder, name) for name in files]
+    return sorted(found)
 
 
 def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -> None:

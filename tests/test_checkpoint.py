@@ -613,6 +613,26 @@ def test_converter_names_an_output_folder_it_cannot_create(tiny, tmp_path, one_p
         f"can write"]
 
 
+def test_a_checkpoint_missing_a_model_file_is_refused_and_one_without_its_resume_parts_converts(
+        tiny, tmp_path, one_process_group):
+    # trainer_state.json lists the model files the save wrote: a copy missing one (an interrupted rsync) would
+    # otherwise convert into a folder without its tokenizer.
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["model_files"] == ["chat_template.jinja", "config.json", "generation_config.json", "tokenizer.json",
+                                    "tokenizer_config.json"]
+    shutil.rmtree(os.path.join(checkpoint, "optimizer"))  # removable to save space: the converter does not read it
+    shutil.rmtree(os.path.join(checkpoint, "rng"))
+    convert(checkpoint, str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path / "hf")) == ["chat_template.jinja", "config.json", "generation_config.json",
+                                                   "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    os.remove(os.path.join(checkpoint, "tokenizer.json"))
+    with pytest.raises(CheckpointError) as error:
+        convert(checkpoint, str(tmp_path / "hf2"))
+    assert str(error.value) == f"{checkpoint} is incomplete: tokenizer.json is missing"
+    assert not (tmp_path / "hf2").exists()
+
+
 def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_process_group, monkeypatch):
     """As final/: every file and folder the converter wrote is fsynced before the rename, the rename after it (the
     checkpoint is often removed once the folder is there; os.fsync and os.replace are recorded, and still called)."""
