@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from .config import ConfigError, TrainConfig
+from .distributed import run_on_rank0
 
 _VERSIONED_PACKAGES = ["fsdp-recipes", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
 # Where a checkpoint's trainer_state.json says its W&B run is.
@@ -83,6 +84,22 @@ def strict_json(metrics: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
 
 
+def start_wandb_run(cfg: TrainConfig, run_config: dict | None, resume_from: Optional[str]):
+    """A new W&B run, or for a resumed training run the W&B run saved in its checkpoint."""
+    import wandb
+
+    saved = saved_wandb_run(resume_from)
+    run_id = saved["wandb_run_id"]
+    return wandb.init(
+        # A resumed run continues where its W&B run is: the project checkpoint.check_wandb_project compared,
+        # and the entity saved (another default entity or WANDB_ENTITY would split the run).
+        project=cfg.wandb_project, entity=saved["wandb_entity"] or None, name=cfg.run_name, id=run_id,
+        resume="allow" if run_id else None,
+        config={**cfg.to_dict(), **(run_config or {}), "versions": library_versions()},
+        allow_val_change=bool(run_id),  # a resumed run may change e.g. max_steps
+    )
+
+
 class MetricsLogger:
     """`run_config` goes to W&B next to the resolved config (e.g. the sharding plan); `resume_from` is the
     checkpoint a resumed run starts from, whose W&B run it continues."""
@@ -92,23 +109,14 @@ class MetricsLogger:
         self.is_main = is_main
         self.wandb_run = None
         self.last_step = 0
-        if not is_main:
-            return
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if is_main:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if cfg.report_to == "wandb":
-            import wandb
-
-            saved = saved_wandb_run(resume_from)
-            run_id = saved["wandb_run_id"]
-            self.wandb_run = wandb.init(
-                # A resumed run continues where its W&B run is: the project checkpoint.check_wandb_project compared,
-                # and the entity saved (another default entity or WANDB_ENTITY would split the run).
-                project=cfg.wandb_project, entity=saved["wandb_entity"] or None, name=cfg.run_name, id=run_id,
-                resume="allow" if run_id else None,
-                config={**cfg.to_dict(), **(run_config or {}), "versions": library_versions()},
-                allow_val_change=bool(run_id),  # a resumed run may change e.g. max_steps
-            )
+            # Every rank waits for it: where wandb.init fails (no server answers, a refused setting), the others stop
+            # with a line naming rank 0's error, not with a crash in the next collective.
+            self.wandb_run = run_on_rank0(lambda: start_wandb_run(cfg, run_config, resume_from),
+                                          "to start the W&B run")
 
     @property
     def wandb_run_state(self) -> dict[str, Optional[str]]:

@@ -212,6 +212,20 @@ def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
     assert "no W&B API key is configured" in proc.stderr
 
 
+def test_a_wandb_run_that_cannot_start_stops_every_rank_with_its_error(tiny, tmp_path):
+    # Online, with a key but no server that answers: wandb.init fails on rank 0, the only rank that starts a run.
+    no_server = {"WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
+                 "WANDB_INIT_TIMEOUT": "5", "HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc"),
+                 "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DIR": str(tmp_path)}
+    proc = torchrun(RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir",
+                    tmp_path / "out", "--max_steps", "1", "--max_seq_length", "64", "--report_to", "wandb",
+                    expect_rc=1, **no_server)
+    assert "wandb.errors.errors.CommError: Timed out while retrying" in proc.stderr  # rank 0's traceback
+    # Rank 1 names it, instead of crashing in its next collective ("Connection closed by peer").
+    assert "error: rank 0 failed to start the W&B run: CommError('Timed out while retrying" in proc.stderr
+    assert "Connection closed by peer" not in proc.stderr
+
+
 def test_a_config_error_after_wandb_started_finishes_the_run(tiny, tmp_path):
     # A checkpoint format the project cannot write: the trainer refuses it before the first step, after the W&B
     # run started.
