@@ -37,7 +37,8 @@ def library_versions() -> dict[str, str]:
 
 
 def check_wandb_credentials(cfg: TrainConfig) -> None:
-    """With report_to wandb in online mode, fail now, before the model is loaded, when no API key is configured.
+    """With report_to wandb, fail now, before the model is loaded, where wandb.init would: a wandb_project name that
+    wandb refuses, and in online mode no API key configured.
 
     Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server. Only the
     rank that logs (rank 0) checks: wandb.login starts wandb's service process, which would idle on every other rank.
@@ -47,6 +48,11 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
     import wandb
     from wandb.sdk import wandb_setup
 
+    try:
+        wandb.Settings(project=cfg.wandb_project)  # wandb's own checks of the name
+    except wandb.errors.UsageError as error:
+        raise ConfigError(f"wandb_project {cfg.wandb_project!r} is not a name W&B accepts ({error}): pass the "
+                          f"project's name alone, and set WANDB_ENTITY to log to a team's project") from None
     # The settings wandb.login reads (environment, settings files).
     if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):
         return

@@ -200,6 +200,15 @@ def test_missing_wandb_api_key_stops_the_run_before_the_model_is_loaded(tmp_path
     assert "no_such_model" not in proc.stderr
 
 
+def test_a_wandb_project_name_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path):
+    # An entity/project path, as W&B shows it: wandb.init refuses it as a project name, once the model is loaded.
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
+                "--report_to", "wandb", "--wandb_project", "my-team/my-project"], expect_rc=2, WANDB_DIR=str(tmp_path))
+    assert proc.stderr.startswith("error: wandb_project 'my-team/my-project' is not a name W&B accepts (Invalid")
+    assert proc.stderr.endswith("pass the project's name alone, and set WANDB_ENTITY to log to a team's project\n")
+    assert "no_such_model" not in proc.stderr
+
+
 def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
     # wandb.login starts wandb's service process: on the other ranks it would idle for the whole run.
     check = ("import sys; from fsdp_recipes.config import parse_config; from fsdp_recipes.metrics import "
