@@ -205,7 +205,9 @@ class TrainConfig:
     )
     report_to: Literal["none", "wandb"] = field(default="none", metadata={"help": "none or wandb (rank 0 logs)."})
     run_name: Optional[str] = field(default=None, metadata={"help": "W&B run name."})
-    wandb_project: str = field(default="fsdp-recipes", metadata={"help": "W&B project."})
+    wandb_project: Optional[str] = field(
+        default=None, metadata={"help": "W&B project. Default: the environment's WANDB_PROJECT, else fsdp-recipes."}
+    )
     resume_from_checkpoint: Optional[str] = field(
         default=None,
         metadata={"help": "Checkpoint folder to resume, or auto: the one output_dir's `latest` names (if none: start "
@@ -236,6 +238,8 @@ class TrainConfig:
                 raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = self.per_device_train_batch_size
+        if self.wandb_project is None:  # as wandb.init reads it, which a project passed to it would override
+            self.wandb_project = os.environ.get("WANDB_PROJECT") or "fsdp-recipes"
         positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps",
                     "per_device_eval_batch_size", "generation_max_new_tokens"]
         for name in positive:

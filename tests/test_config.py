@@ -165,6 +165,16 @@ def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
         parse_config(["--config", write_yaml(tmp_path, f"model_name_or_path: m\ndataset_name: d\n{text}\n")])
 
 
+def test_the_wandb_project_defaults_to_the_environments_as_wandb_reads_it(monkeypatch):
+    args = ["--model_name_or_path", "m", "--dataset_name", "d", "--report_to", "wandb"]
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    assert parse_config(args).wandb_project == "fsdp-recipes"
+    # Passed to wandb.init, the recipe's project would override the variable: it takes its place instead.
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    assert parse_config(args).wandb_project == "from-env"
+    assert parse_config(args + ["--wandb_project", "mine"]).wandb_project == "mine"
+
+
 def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the_feature_off(tmp_path):
     """A YAML that logs to W&B or generates samples may be run with the feature turned off on the command line;
     its keys for the feature then say nothing the user relies on. Set beside the feature turned off, they do."""
