@@ -41,7 +41,7 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
 def active_matmul_params(model: nn.Module) -> float:
     """Parameters one token multiplies through: the lm_head, and the language model's but its embeddings (lookups:
     the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions) and its norms and biases
-    (1-D, no matmul); of a mixture-of-experts layer's experts only the share a token is routed to
+    (no matmul); of a mixture-of-experts layer's experts only the share a token is routed to
     (num_experts_per_tok, or Gemma 4's top_k_experts, of all of them). A multimodal model's vision and audio towers
     do not run on text."""
     config = model.config.get_text_config()
@@ -51,11 +51,18 @@ def active_matmul_params(model: nn.Module) -> float:
     lookups = {id(module.weight) for module in decoder.modules() if isinstance(module, nn.Embedding)}
     total = float(model.get_output_embeddings().weight.numel())  # tied to the input embedding or not, a matmul
     for name, param in decoder.named_parameters():
-        if param.ndim < 2 or id(param) in lookups:
+        if param.ndim < 2 or id(param) in lookups or name.endswith("bias"):  # gpt-oss's experts' biases are 2-D
             continue
-        share = routed / experts if experts and routed and ".experts." in f".{name}." else 1.0
+        share = routed / experts if experts and routed and is_expert_weight(name, param, experts) else 1.0
         total += param.numel() * share
     return total
+
+
+def is_expert_weight(name: str, param: nn.Parameter, experts: int) -> bool:
+    """A weight of the experts a token is routed to: in a module named experts, but for a router (JetMoE's attention
+    router sits in one), or a fused tensor whose first dimension is the experts (JetMoE's mlp.input_linear)."""
+    in_experts = ".experts." in f".{name}." and ".router." not in f".{name}."
+    return in_experts or (param.ndim == 3 and param.shape[0] == experts)
 
 
 # Layer types (config.layer_types) without softmax attention: recurrent and convolutional mixers (Qwen3-Next's

@@ -5,9 +5,9 @@ import sys
 import pytest
 import torch
 from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
-                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen3NextConfig)
+                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GptOssConfig,
+                          JetMoeConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen3NextConfig)
 
 from conftest import REPO, read_metrics, run
 from fsdp_recipes import demo
@@ -53,6 +53,25 @@ def test_moe_counts_only_the_routed_experts():
     router = 3 * 8 * 64
     experts = 3 * 8 * 3 * 64 * 128
     assert active_matmul_params(model) == dense + router + experts * 2 / 8
+
+
+def test_moe_experts_are_found_by_their_fused_tensor_not_their_module_name():
+    # JetMoE: its MLP's experts are mlp.input_linear and mlp.output_linear; its attention's experts (with their
+    # router, which every token passes) in self_attention.experts. 8 experts, 2 per token, a tied lm_head.
+    model = build_meta_model(JetMoeConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, kv_channels=16,
+                                          intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+                                          num_key_value_heads=4))
+    mlp_experts = 8 * (2 * 128 * 64 + 64 * 128)  # input_linear (gate and up), output_linear
+    attention_experts = 8 * (64 * 64 + 64 * 64)  # query and output, per expert: 4 heads x 16
+    routers, kv_proj = 2 * 8 * 64, 2 * 4 * 16 * 64
+    expected = 100 * 64 + (mlp_experts + attention_experts) * 2 / 8 + routers + kv_proj
+    assert active_matmul_params(model) == expected
+    # gpt-oss: its experts' biases are 2-D (one row per expert), and no matmul. 4 experts, 2 per token.
+    model = build_meta_model(GptOssConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                                          num_local_experts=4, num_experts_per_tok=2))
+    attention, router, experts = 2 * 64 * 64 + 2 * 64 * 32, 4 * 64, 4 * (64 * 2 * 32 + 32 * 64)
+    assert active_matmul_params(model) == 100 * 64 + attention + router + experts * 2 / 4
 
 
 def test_gemma4_counts_each_layers_head_dim_and_no_per_layer_lookup_table():
