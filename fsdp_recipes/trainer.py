@@ -284,6 +284,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                 router = {"router_aux_loss": aux_loss_sum.item() / (len(micro_batches) * env.world_size)}
             metrics = {
                 "step": step,
+                "epoch": step / steps_per_epoch,  # as HF Trainer logs it: 1.5 is halfway through the second epoch
                 "loss": loss,
                 "learning_rate": learning_rate,
                 "grad_norm": grad_norm.item(),

@@ -105,9 +105,15 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6] and [m["step"] for m in evals] == [2, 4, 6]
     for line in train + evals:  # metrics.jsonl and W&B hold the same numbers
         assert {k: v for k, v in line.items() if k != "step"}.items() <= history[line["step"]].items()
+    # The packed sequences an epoch trains, in global batches of accumulation x batch x ranks.
+    found = re.search(r"of (\d+) x (\d+) sequences on each of (\d+) ranks; an epoch trains (\d+) of its",
+                      observed["first"].stdout)
+    steps_per_epoch = int(found[4]) // (int(found[1]) * int(found[2]) * int(found[3]))
     for m in train:
-        assert m.keys() == {"step", "loss", "learning_rate", "grad_norm", "tokens", "input_tokens", "real_token_share",
-                            "tokens_per_second", "tokens_per_second_per_device", "step_time", "peak_rss_gib"}
+        assert m.keys() == {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens", "input_tokens",
+                            "real_token_share", "tokens_per_second", "tokens_per_second_per_device", "step_time",
+                            "peak_rss_gib"}
+        assert m["epoch"] == m["step"] / steps_per_epoch
         assert m["tokens_per_second_per_device"] == pytest.approx(m["tokens_per_second"] / 2)
         assert 0 < m["real_token_share"] <= 1 and m["step_time"] > 0 and m["grad_norm"] > 0
 
