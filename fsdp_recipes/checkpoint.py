@@ -19,6 +19,7 @@ checkpoint complete and `latest` pointing at it.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -28,6 +29,7 @@ import random
 import re
 import secrets
 import shutil
+import socket
 from typing import Callable, Optional
 
 import numpy as np
@@ -173,24 +175,29 @@ def previous_run(output_dir: str) -> list[str]:
 def check_shared_output_dir(out: str) -> None:
     """Rank 0 creates `out` and writes a random token into it, which every rank must read back: with per-node disks
     (or a stale view of a network file system) the ranks would resolve `latest` to different checkpoints, and a save
-    would fail once rank 0 has renamed what the others wrote. An output_dir rank 0 cannot write fails here too, not
-    after the data and the model are loaded. Every rank calls this; every rank raises the same error."""
+    would fail once rank 0 has renamed what the others wrote. An output_dir rank 0 cannot write, or one another run
+    holds (lock_output_dir), fails here too, not after the data and the model are loaded. Every rank calls this;
+    every rank raises the same error."""
     sent: list[tuple[Optional[str], Optional[str]]] = [(None, None)]  # rank 0's token, or why it wrote none
     if dist.get_rank() == 0:
         try:
             os.makedirs(out, exist_ok=True)
-            token = secrets.token_hex(16)
-            # A new name each run: no cached lookup of an earlier run's file (network file systems) can answer.
-            with open(os.path.join(out, f".shared_check_{token}"), "w") as f:
-                f.write(token)
-            sent[0] = (token, None)
+            in_use = lock_output_dir(out)
+            if in_use:
+                sent[0] = (None, in_use)
+            else:
+                token = secrets.token_hex(16)
+                # A new name each run: no cached lookup of an earlier run's file (network file systems) can answer.
+                with open(os.path.join(out, f".shared_check_{token}"), "w") as f:
+                    f.write(token)
+                sent[0] = (token, None)
         except OSError as error:
-            sent[0] = (None, f"{type(error).__name__}: {error}")
+            sent[0] = (None, f"output_dir {out} cannot be created or written ({type(error).__name__}: {error}): "
+                             f"choose an output_dir this user can write, on a file system that every rank sees")
     dist.broadcast_object_list(sent, src=0)
     token, failure = sent[0]
     if failure:
-        raise ConfigError(f"output_dir {out} cannot be created or written ({failure}): choose an output_dir this "
-                          f"user can write, on a file system that every rank sees")
+        raise ConfigError(failure)
     marker = os.path.join(out, f".shared_check_{token}")
     try:
         with open(marker) as f:
@@ -207,6 +214,38 @@ def check_shared_output_dir(out: str) -> None:
         rank, what = differ[0]
         raise ConfigError(f"output_dir {out} is not on a file system that every rank sees (rank {rank} finds {what}): "
                           f"put it on a shared file system")
+
+
+_LOCK_NAME = ".run.lock"
+_held_locks: dict[str, int] = {}  # real path of an output_dir -> the open lock file this process holds in it
+
+
+def lock_output_dir(out: str) -> Optional[str]:
+    """Rank 0 holds an exclusive lock on `<out>/.run.lock` until its process ends (the kernel releases it then, kill
+    -9 included): two runs started into one output_dir would both pass prepare_output_dir, then overwrite each
+    other's checkpoints, remove each other's unfinished saves and interleave metrics.jsonl. Returns why `out` is in
+    use, or None once this process holds the lock."""
+    real = os.path.realpath(out)
+    if real in _held_locks:
+        return None
+    fd = os.open(os.path.join(out, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
+        os.close(fd)
+        return (f"output_dir {out} is in use by another run ({holder} holds {os.path.join(out, _LOCK_NAME)}): the "
+                f"two would overwrite each other's checkpoints. Wait for it to end (or stop it), or choose another "
+                f"output_dir")
+    except OSError as error:  # a file system without locks (Lustre mounted without -o flock, NFS without lockd)
+        os.close(fd)
+        print_line(f"warning: output_dir {out} cannot be locked ({type(error).__name__}: {error}): a second run "
+                   f"started into it would not be noticed")
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+    _held_locks[real] = fd
+    return None
 
 
 def prepare_output_dir(cfg: TrainConfig) -> None:

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
-from conftest import REPO, read_metrics, run, torchrun, write_tiny_model
+from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
 from test_readme import readme_commands
 
 RECIPE = "recipes/llama_sft.py"
@@ -88,7 +89,8 @@ def assert_same_optimizer_state(a: dict, b: dict) -> None:
 
 
 def snapshot(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))}
+    """Every file and folder with its size, but the lock a run takes at start, which names the process."""
+    return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.name != ".run.lock"}
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +127,8 @@ def test_format_follows_the_accelerate_config_unless_set(monkeypatch):
 
 
 def test_retention_latest_and_layout(reference):
-    assert sorted(p.name for p in reference.iterdir()) == ["checkpoint-4", "checkpoint-6", "final", "latest",
-                                                           "metrics.jsonl", "wandb"]
+    assert sorted(p.name for p in reference.iterdir()) == [".run.lock", "checkpoint-4", "checkpoint-6", "final",
+                                                           "latest", "metrics.jsonl", "wandb"]
     assert (reference / "latest").read_text() == "checkpoint-6"
     state = validate_checkpoint(str(reference / "checkpoint-4"))
     assert (state["step"], state["epoch"], state["world_size"], state["format"]) == (4, 0, 2, "sharded")
@@ -413,7 +415,7 @@ def test_a_run_that_diverges_on_one_rank_stops_before_saving_nan_weights(tiny, t
     metrics = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert (metrics["step"], metrics["loss"], metrics["grad_norm"]) == (4, None, None)
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "latest", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "checkpoint-2", "latest", "metrics.jsonl"]
     weights = dcp_contents(tmp_path / "checkpoint-2" / "model", tmp_path)
     assert all(torch.isfinite(w).all() for w in weights.values())
 
@@ -503,7 +505,8 @@ def test_resume_into_a_different_model_is_refused_before_writing(tiny, reference
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {checkpoint} was saved from a different model config (tie_word_embeddings: "
                            f"checkpoint True, model False")
-    assert os.listdir(tmp_path / "out") == []  # created (and checked for every rank) at start, nothing written
+    # Created (and checked for every rank) at start, nothing written but the lock the run held.
+    assert os.listdir(tmp_path / "out") == [".run.lock"]
     assert snapshot(reference) == before
 
 
@@ -837,7 +840,7 @@ def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_
     assert str(error.value) == (
         "latest does not exist: pass --resume_from_checkpoint auto to resume from the checkpoint that output_dir's "
         "`latest` file names, or a checkpoint-<step> folder")
-    assert sorted(os.listdir(run)) == ["checkpoint-6", "latest"]
+    assert sorted(os.listdir(run)) == [".run.lock", "checkpoint-6", "latest"]
 
 
 def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
@@ -851,7 +854,7 @@ def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, on
         with pytest.raises(ConfigError, match="resumes from one of them: pass only one of the two"):
             prepare_output_dir(config(out, "--resume_from_checkpoint", str(checkpoint), "--overwrite_output_dir",
                                       "true"))
-    assert sorted(os.listdir(real)) == ["checkpoint-4", "latest"]
+    assert sorted(os.listdir(real)) == [".run.lock", "checkpoint-4", "latest"]
 
 
 def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_group):
@@ -863,7 +866,7 @@ def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_g
     cfg = dataclasses.replace(config(out, "--overwrite_output_dir", "true"), model_name_or_path=str(model))
     prepare_output_dir(cfg)
     remove_earlier_run(cfg)
-    assert os.listdir(out) == [] and os.listdir(model) == ["weights"]
+    assert os.listdir(out) == [".run.lock"] and os.listdir(model) == ["weights"]
     # The model reached through a symlink inside final/: gone with final/, though its target stays.
     (out / "final").mkdir()
     (out / "final" / "base").symlink_to(model)
@@ -879,7 +882,8 @@ def test_every_rank_must_see_the_same_output_dir(tmp_path):
     torchrun("tests/drivers/ckpt_shared_dir.py", tmp_path)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank_{rank}.json").read_text())
-        assert result["shared"] is None and result["shared_files"] == []  # the marker file is removed again
+        # The marker file is removed again; the lock stays, held by rank 0 until its process ends.
+        assert result["shared"] is None and result["shared_files"] == [".run.lock"]
         assert result["per_node"] == (
             f"output_dir {tmp_path}/node{rank} is not on a file system that every rank sees (rank 1 finds no file "
             f"where rank 0 wrote one (FileNotFoundError)): put it on a shared file system")
@@ -898,12 +902,35 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_p
         f"every rank sees")
 
 
+def test_a_second_run_into_an_output_dir_in_use_is_refused_until_the_first_ends(tiny, tmp_path):
+    # The first run's rank 0 holds the lock from prepare_output_dir to its end: here a process that takes it as that
+    # rank does, then waits. Two runs at once overwrote each other's checkpoints and interleaved metrics.jsonl.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fsdp_recipes.checkpoint import "
+                               "lock_output_dir; assert lock_output_dir(sys.argv[1]) is None; print(flush=True); "
+                               "time.sleep(600)", tmp_path], stdout=subprocess.PIPE, env=subprocess_env())
+    try:
+        holder.stdout.readline()  # the lock is held
+        args = [sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
+                tmp_path / "no_such_data.jsonl", "--output_dir", tmp_path]
+        proc = run(args, expect_rc=2)
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: output_dir {tmp_path} is in use by another run (process {holder.pid} on {socket.gethostname()} "
+            f"holds {tmp_path}/.run.lock): the two would overwrite each other's checkpoints. Wait for it to end (or "
+            f"stop it), or choose another output_dir")
+    finally:
+        holder.kill()  # as a kill -9 of the first run: the kernel releases its lock
+        holder.wait()
+    proc = run(args, expect_rc=2)  # the output_dir is free again; the run goes on to read its data
+    assert "no_such_data.jsonl" in proc.stderr.strip().splitlines()[-1]
+    assert sorted(os.listdir(tmp_path)) == [".run.lock"]
+
+
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
     (tmp_path / "final").mkdir()
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
                 tmp_path / "no_such_data.jsonl", "--output_dir", tmp_path], expect_rc=2)
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {tmp_path} holds final of an earlier run")
-    assert sorted(os.listdir(tmp_path)) == ["final"]
+    assert sorted(os.listdir(tmp_path)) == [".run.lock", "final"]
 
 
 def test_a_resume_logging_to_wandb_must_name_the_project_of_the_checkpoints_run(tmp_path, one_process_group):
@@ -1170,9 +1197,9 @@ def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
     assert "warmup_steps 4 covers the whole run" in dropout_run["failed"].stderr and dropout_run["kept"]
     # The reference's checkpoint-6, its final/, samples and the .tmp/.old leftovers are gone; its wandb folder and
     # the user's checkpoint-best/ and notes (not written by a run) stay.
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-best",
-                                                     "checkpoint-notes.txt", "final", "latest", "metrics.jsonl",
-                                                     "wandb"]
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "checkpoint-2", "checkpoint-4",
+                                                     "checkpoint-best", "checkpoint-notes.txt", "final", "latest",
+                                                     "metrics.jsonl", "wandb"]
     assert (out / "latest").read_text() == "checkpoint-4"
     assert sorted(losses(out)) == [1, 2, 3, 4]
     assert validate_checkpoint(str(out / "checkpoint-4"))["world_size"] == 1
@@ -1191,7 +1218,7 @@ def test_overwrite_output_dir_keeps_the_earlier_run_when_the_checkpoint_is_refus
     assert "another training config (learning_rate: checkpoint 0.01, now 0.02)" in proc.stderr
     assert snapshot(tmp_path / "out") == before
     run([sys.executable, RECIPE, *args])
-    assert sorted(os.listdir(tmp_path / "out")) == ["final", "metrics.jsonl", "wandb"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".run.lock", "final", "metrics.jsonl", "wandb"]
     assert_same_weights(final_weights(tmp_path / "out"), final_weights(reference))
 
 
