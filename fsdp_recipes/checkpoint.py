@@ -788,6 +788,8 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -
         if isinstance(error, CheckpointException):  # DCP's, on every rank, with each failed rank's exception
             own = error.failures.get(dist.get_rank())
             error = own[0] if own else None
+            if isinstance(error, KeyboardInterrupt):  # DCP wraps a Ctrl-C too: the run stops as it does elsewhere
+                raise error from None
         if error is not None:
             report = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     reports: list[Optional[str]] = [None] * dist.get_world_size()

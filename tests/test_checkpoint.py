@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, get_scheduler
@@ -189,6 +191,25 @@ def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
     assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
+
+
+def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch):
+    """DCP wraps every exception of a write, Ctrl-C's KeyboardInterrupt too: it was reported as a failed write
+    ("make room"), exit 2 as for a config error."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    write_data = FileSystemWriter.write_data
+
+    def ctrl_c_while_writing(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", ctrl_c_while_writing)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
