@@ -861,7 +861,7 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
     for fqn in absent:
         del optim_sd["state"][fqn]
     groups = [sorted(group["params"]) for group in optim_sd["param_groups"]]
-    dcp.load(optim_sd, storage_reader=SafeFileSystemReader(path))  # the saved groups replace this run's
+    read_dcp_folder(optim_sd, path)  # the saved groups replace this run's
     saved_groups = [sorted(group["params"]) for group in optim_sd["param_groups"]]
     if saved_groups != groups:  # torch would load them and leave a group without hyperparameters
         moved = sorted({p for ours, theirs in zip(groups, saved_groups) for p in set(ours) ^ set(theirs)})
@@ -877,11 +877,25 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
             optimizer.state.pop(params[fqn], None)
 
 
+def read_dcp_folder(state_dict: dict, path: str) -> None:
+    """dcp.load of the DCP folder `path` into `state_dict`. A file whose content is damaged (its size is checked
+    before: read_dcp_metadata) fails in DCP as a CheckpointException, a BaseException that names neither the file
+    nor the checkpoint and escaped cli.run_main: here it is a CheckpointError naming the folder, on every rank."""
+    try:
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path))
+    except CheckpointException as error:
+        # The first sentence: torch.load's message for a damaged file goes on to advise weights_only=False.
+        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().split('. ')[0]}"
+                             for rank, (exc, _) in sorted(error.failures.items()))
+        raise CheckpointError(f"{path} cannot be read ({failures}): a file in it is damaged, or it holds another "
+                              f"model's state. Resume from another checkpoint") from None
+
+
 def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
     """Load the checkpoint's weights into the sharded model (every rank calls this)."""
     if fmt == "sharded":
         model_sd = get_model_state_dict(model)
-        dcp.load(model_sd, storage_reader=SafeFileSystemReader(os.path.join(path, "model")))
+        read_dcp_folder(model_sd, os.path.join(path, "model"))
         set_model_state_dict(model, model_sd)
         return
 

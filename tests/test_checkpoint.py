@@ -212,6 +212,23 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
 
+def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
+    # Same size, other bytes (bit rot, a copy that went wrong): DCP's own error named no file, and escaped run_main.
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(reference / "checkpoint-6", checkpoint)
+    with open(checkpoint / "optimizer" / "__0_0.distcp", "r+b") as f:
+        f.write(bytes(4096))
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "out")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(str(checkpoint), model, optimizer, scheduler)
+    assert str(error.value).startswith(f"{checkpoint}/optimizer cannot be read (rank 0: UnpicklingError: ")
+    assert str(error.value).endswith("): a file in it is damaged, or it holds another model's state. Resume from "
+                                     "another checkpoint")
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """FSDP2's DTensor whole; FSDP1's and Adam's step count as they are."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
