@@ -190,6 +190,12 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer, locate_turns: boo
         msgs, tools=tools, tokenize=False, add_generation_prompt=gen, date_string=CHAT_TEMPLATE_DATE_STRING)
     text = render(messages)
     _check_nothing_left_out(messages, tools, text, render)
+    last_answer = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages) - 1)
+    if last_answer < len(messages) - 1:
+        # The conversation up to its last answer too: Mistral's templates write the system message into the last user
+        # message, so a conversation ending with one would hold it after the answers, which never saw it.
+        answered = messages[: last_answer + 1]
+        _check_nothing_left_out(answered, tools, render(answered), render)
     if not locate_turns:
         return text, []
     spans = []

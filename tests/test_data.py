@@ -604,11 +604,18 @@ def test_qwen25_and_mistral_turns_are_the_assistant_turns():
     out = tokenize_example(CHAT, "chat", tokenizer, 64)
     assert loss_tokens(out, tokenizer) == ["b", "a", "</s>", "d", "c", "</s>"]
     # The template writes a system message only when a user message ends the conversation, so training data, which
-    # ends with an answer, would lose it.
-    for chat in [SYSTEM_CHAT, {"messages": SYSTEM_CHAT["messages"][:3]}]:
-        with pytest.raises(ConfigError, match=r"^the tokenizer's chat template leaves message 0 \(system\) out of "
-                                              r"the conversation: move its content into a message the template keeps"):
-            render_with_loss_spans(chat, "chat", tokenizer)
+    # ends with an answer, would lose it; and one that ends with a user message would hold it after the answers.
+    assert tokenizer.apply_chat_template(SYSTEM_CHAT["messages"][:4], tokenize=False) == (
+        "<s>[INST]ab[/INST]ba</s>[INST]be brief\n\ncd[/INST]")
+    for chat in [SYSTEM_CHAT, {"messages": SYSTEM_CHAT["messages"][:3]}, {"messages": SYSTEM_CHAT["messages"][:4]}]:
+        for completion_only_loss in (True, False):
+            with pytest.raises(ConfigError, match=r"^row 1: the tokenizer's chat template leaves message 0 "
+                                                  r"\(system\) out of the conversation: move its content into a "
+                                                  r"message the template keeps"):
+                tokenize_example(chat, "chat", tokenizer, 256, completion_only_loss=completion_only_loss)
+    # Without a system message, a conversation that ends with a user message trains its answers.
+    out = tokenize_example({"messages": CHAT["messages"][:3]}, "chat", tokenizer, 64)
+    assert loss_tokens(out, tokenizer) == ["b", "a", "</s>"]
 
 
 # A tool-calling conversation in transformers' (and OpenAI's) chat format: the row's tools, a call without content,
