@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, get_scheduler
@@ -227,6 +227,24 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
     assert str(error.value).startswith(f"{checkpoint}/optimizer cannot be read (rank 0: UnpicklingError: ")
     assert str(error.value).endswith("): a file in it is damaged, or it holds another model's state. Resume from "
                                      "another checkpoint")
+
+
+def test_ctrl_c_during_a_resume_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch):
+    """DCP wraps Ctrl-C's KeyboardInterrupt during a read too: it was reported as a damaged checkpoint file, with
+    advice to resume from another checkpoint, exit 2 as for a config error."""
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "out")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    read_data = FileSystemReader.read_data
+
+    def ctrl_c_while_reading(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return read_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", ctrl_c_while_reading)
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(checkpoint, model, optimizer, get_scheduler("constant", optimizer))
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
