@@ -881,15 +881,16 @@ def read_dcp_folder(state_dict: dict, path: str) -> None:
     """dcp.load of the DCP folder `path` into `state_dict`. A file whose content is damaged (its size is checked
     before: read_dcp_metadata) fails in DCP as a CheckpointException, a BaseException that names neither the file
     nor the checkpoint and escaped cli.run_main: here it is a CheckpointError naming the folder, on every rank. A
-    Ctrl-C during the read stays a KeyboardInterrupt."""
+    Ctrl-C or an out-of-memory error during the read is raised as it is."""
     try:
         dcp.load(state_dict, storage_reader=SafeFileSystemReader(path))
     except CheckpointException as error:
-        # DCP wraps a Ctrl-C too (on any rank, in the failures every rank gets): the run stops as an interrupt, not
-        # with advice to give up on a checkpoint that is whole.
-        interrupts = [exc for exc, _ in error.failures.values() if isinstance(exc, KeyboardInterrupt)]
-        if interrupts:
-            raise interrupts[0] from None
+        # DCP wraps these too (on any rank, in the failures every rank gets): the run stops with them, not with
+        # advice to give up on a checkpoint that is whole.
+        not_damage = [exc for exc, _ in error.failures.values()
+                      if isinstance(exc, (KeyboardInterrupt, MemoryError, torch.OutOfMemoryError))]
+        if not_damage:
+            raise not_damage[0] from None
         # The first sentence: torch.load's message for a damaged file goes on to advise weights_only=False.
         failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).strip().split('. ')[0]}"
                              for rank, (exc, _) in sorted(error.failures.items()))

@@ -229,7 +229,7 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
                                      "another checkpoint")
 
 
-def test_ctrl_c_during_a_resume_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch):
+def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_path, one_process_group, monkeypatch):
     """DCP wraps Ctrl-C's KeyboardInterrupt during a read too: it was reported as a damaged checkpoint file, with
     advice to resume from another checkpoint, exit 2 as for a config error."""
     checkpoint = small_checkpoint(tiny, tmp_path)
@@ -244,6 +244,14 @@ def test_ctrl_c_during_a_resume_stops_the_run_as_an_interrupt(tiny, tmp_path, on
 
     monkeypatch.setattr(FileSystemReader, "read_data", ctrl_c_while_reading)
     with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(checkpoint, model, optimizer, get_scheduler("constant", optimizer))
+
+    # Nor is running out of memory while reading: the checkpoint is whole.
+    def out_of_memory_while_reading(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(FileSystemReader, "read_data", out_of_memory_while_reading)
+    with pytest.raises(torch.OutOfMemoryError, match="^CUDA out of memory. Tried to allocate 2.00 GiB$"):
         load_checkpoint(checkpoint, model, optimizer, get_scheduler("constant", optimizer))
 
 
