@@ -252,9 +252,10 @@ def test_rank0_loading_leaves_other_ranks_with_shards_only(tmp_path):
 
 
 def test_ranks_reading_the_weights_each_wait_for_the_slowest_on_the_long_wait_group(tiny, tmp_path):
-    """Rank 1 reads the weights 6 s longer than rank 0, past the training group's 3 s timeout: the ranks meet on the
-    long-wait group before sharding, so neither times out in the first collective."""
-    proc = torchrun("tests/drivers/model_load_wait.py", "6", "3", "--model_name_or_path", tiny["model"],
+    """Rank 1 reads the weights 12 s longer than rank 0, past the training group's 6 s timeout (wide enough for a
+    loaded machine once both have read): the ranks meet on the long-wait group before sharding, so neither times out
+    in the first collective."""
+    proc = torchrun("tests/drivers/model_load_wait.py", "12", "6", "--model_name_or_path", tiny["model"],
                     "--dataset_name", "x", timeout=180)
     for rank in (0, 1):
         assert f"rank {rank}: sharded, past the training group's barrier" in proc.stdout, proc.stdout + proc.stderr
