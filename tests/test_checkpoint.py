@@ -1301,7 +1301,7 @@ def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, 
         f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after resolve_resume, as "
         f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir {tmp_path}` updates the "
         f"recipes there")
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-8"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".run.lock", "checkpoint-8"]
     run([sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir", tmp_path])  # as the error says
     assert call in stale.read_text()
 
