@@ -193,6 +193,14 @@ def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one
     assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
 
 
+def after_ctrl_c(method):
+    """`method`, run after this process is sent a Ctrl-C (SIGINT): one that arrives in the middle of DCP's work."""
+    def interrupted(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return method(self, *args, **kwargs)
+    return interrupted
+
+
 def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch):
     """DCP wraps every exception of a write, Ctrl-C's KeyboardInterrupt too: it was reported as a failed write
     ("make room"), exit 2 as for a config error."""
@@ -200,13 +208,7 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
-    write_data = FileSystemWriter.write_data
-
-    def ctrl_c_while_writing(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        return write_data(self, *args, **kwargs)
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", ctrl_c_while_writing)
+    monkeypatch.setattr(FileSystemWriter, "write_data", after_ctrl_c(FileSystemWriter.write_data))
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
@@ -236,13 +238,7 @@ def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "out")])
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
-    read_data = FileSystemReader.read_data
-
-    def ctrl_c_while_reading(self, *args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)
-        return read_data(self, *args, **kwargs)
-
-    monkeypatch.setattr(FileSystemReader, "read_data", ctrl_c_while_reading)
+    monkeypatch.setattr(FileSystemReader, "read_data", after_ctrl_c(FileSystemReader.read_data))
     with pytest.raises(KeyboardInterrupt):
         load_checkpoint(checkpoint, model, optimizer, get_scheduler("constant", optimizer))
 
