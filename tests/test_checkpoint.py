@@ -312,6 +312,17 @@ def test_a_checkpoint_with_other_weight_decay_groups_is_refused(tiny, tmp_path, 
         f"{tmp_path / 'checkpoint-1'} <out_dir>`)")
 
 
+def record_fsync_and_replace(monkeypatch) -> list[tuple]:
+    """Each os.fsync (with the path it syncs) and os.replace from now on, in order; both still do their work."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         replace(src, dst)))
+    return events
+
+
 def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
     """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
     crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
@@ -322,12 +333,7 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
     tokenizer = load_tokenizer(cfg)  # with a named chat template: the tokenizer writes it into a folder of its own
     tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": "{{ tools }}"}
-    events = []
-    fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 fsync(fd)))
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
-                                                         replace(src, dst)))
+    events = record_fsync_and_replace(monkeypatch)
     save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, 2, 0, None)
     monkeypatch.undo()
     tmp, final = tmp_path / "checkpoint-2.tmp", tmp_path / "checkpoint-2"
@@ -343,11 +349,7 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     assert events[latest + 1] == ("fsync", str(tmp_path))
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
     # final/ too: every file and folder before its rename, the rename itself after it.
-    events.clear()
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 fsync(fd)))
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
-                                                         replace(src, dst)))
+    events = record_fsync_and_replace(monkeypatch)
     save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
     monkeypatch.undo()
     renamed = events.index(("replace", f"{tmp_path}/final.tmp", f"{tmp_path}/final"))
@@ -700,12 +702,7 @@ def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_pro
     """As final/: every file and folder the converter wrote is fsynced before the rename, the rename after it (the
     checkpoint is often removed once the folder is there; os.fsync and os.replace are recorded, and still called)."""
     checkpoint = small_checkpoint(tiny, tmp_path)
-    events = []
-    fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                 fsync(fd)))
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
-                                                         replace(src, dst)))
+    events = record_fsync_and_replace(monkeypatch)
     convert(checkpoint, str(tmp_path / "hf"), torch.bfloat16, "100KB")
     monkeypatch.undo()
     [(_, tmp, out)] = [event for event in events if event[0] == "replace"]
