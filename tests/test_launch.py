@@ -164,6 +164,41 @@ def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
             assert (exported[name] - tensor).abs().max() <= 1e-5, (out, name)
 
 
+def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
+    """RECIPE alone takes the recipe's YAML config (Qwen3-MoE's holds its router loss, which llama_sft.yaml would
+    drop without a word); a recipe of several configs (gemma_sft.py) needs RECIPE_CONFIG."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(SCONTROL)
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n')  # records what a node would run
+    for name in ("scontrol", "srun"):
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    slurm = dict(SLURM_NNODES="2", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def sbatch(expect_rc=0, **env):
+        return run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl"], expect_rc=expect_rc,
+                   **slurm, **env)
+
+    def recipe_and_config() -> list[str]:
+        args = (bin_dir / "srun.args").read_text().splitlines()
+        return args[args.index("launch_node") + 1:]
+
+    sbatch()
+    assert recipe_and_config() == ["recipes/llama_sft.py", "--config", "recipes/configs/llama_sft.yaml",
+                                   "--dataset_name", "d.jsonl"]
+    sbatch(RECIPE="recipes/qwen3_moe_sft.py")
+    assert recipe_and_config()[:3] == ["recipes/qwen3_moe_sft.py", "--config", "recipes/configs/qwen3_moe_sft.yaml"]
+    sbatch(RECIPE="recipes/gemma_sft.py", RECIPE_CONFIG="recipes/configs/gemma3_sft.yaml")
+    assert recipe_and_config()[:3] == ["recipes/gemma_sft.py", "--config", "recipes/configs/gemma3_sft.yaml"]
+    (bin_dir / "srun.args").unlink()
+    proc = sbatch(expect_rc=2, RECIPE="recipes/gemma_sft.py")
+    assert proc.stderr == ("error: RECIPE recipes/gemma_sft.py has no YAML config of its name "
+                           "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
+                           "recipes/configs\n")
+    assert not (bin_dir / "srun.args").exists()
+
+
 def test_tasks_started_without_a_launcher_are_refused(tiny, tmp_path):
     """`srun --ntasks-per-node 2 python recipe.py`: each task has SLURM's variables but no RANK, and would train
     alone into the same output_dir."""
