@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
+from .data import rotary_context
 from .distributed import run_on_rank0
 from .metrics import MetricsLogger
 
@@ -17,6 +18,34 @@ def load_exported_model(model_dir: str, attn_implementation: str, device: torch.
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+def prompt_text(tokenizer, prompt: str, use_chat_template: bool) -> str:
+    """The text the model is given for `prompt` (see generate_samples), to tokenize without special tokens."""
+    if use_chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return (tokenizer.bos_token or "") + prompt
+
+
+def check_prompts_fit(cfg: TrainConfig, tokenizer, model_config) -> None:
+    """Before the first step: each prompt with its answer must fit a learned position table (GPT-2's, BioGPT's),
+    which generation would otherwise index past after the whole run (a device-side assert on a GPU). Rotary
+    positions have no table: transformers only warns there."""
+    config = model_config.get_text_config()
+    positions = getattr(config, "max_position_embeddings", None)
+    if not cfg.generation_prompts or not positions or rotary_context(config) is not None:
+        return
+    for i, prompt in enumerate(cfg.generation_prompts, 1):
+        tokens = len(tokenizer(prompt_text(tokenizer, prompt, cfg.generation_use_chat_template),
+                               add_special_tokens=False)["input_ids"])
+        # The last answer token is predicted, never read: the prompt and the other answer tokens take a position.
+        if tokens + cfg.generation_max_new_tokens - 1 > positions:
+            raise ConfigError(f"generation_prompts: prompt {i} takes {tokens} tokens as sent, and with "
+                              f"generation_max_new_tokens {cfg.generation_max_new_tokens} its answer would reach past "
+                              f"the model's learned position table ({positions} positions): shorten the prompt"
+                              + (f", or set generation_max_new_tokens {positions + 1 - tokens} or less"
+                                 if tokens <= positions else ""))
 
 
 @torch.no_grad()
@@ -33,12 +62,8 @@ def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, us
     model = load_exported_model(model_dir, attn_implementation, device, trust_remote_code)
     samples = []
     for prompt in prompts:
-        if use_chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = (tokenizer.bos_token or "") + prompt
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(device)
+        inputs = tokenizer(prompt_text(tokenizer, prompt, use_chat_template), return_tensors="pt",
+                           add_special_tokens=False).to(device)
         # The tokenizer: transformers needs it for a generation config's stop_strings.
         output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                 pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)

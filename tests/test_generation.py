@@ -1,10 +1,13 @@
 """Sample generation reloads the exported folder as the run computed the model."""
 
 import json
+import sys
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMHeadModel
 
+from conftest import run
 from fsdp_recipes import demo
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.generation import generate_samples, load_exported_model, log_sample_generations
@@ -62,3 +65,32 @@ def test_samples_stop_at_the_stop_strings_of_the_folders_generation_config(tiny,
     [sample] = generate_samples(str(folder), ["reverse: abc"], 8, False, torch.device("cpu"), "sdpa")
     assert sample["completion"].endswith(stop) and len(sample["completion"]) < len(tokenizer.decode(
         free[0, ids.shape[1]:], skip_special_tokens=True))
+
+
+def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_before_training(tiny, tmp_path):
+    """GPT-2's positions are a table: generation past it fails with an IndexError (a device-side assert on a GPU),
+    after the whole run. The recipe refuses such a prompt before the first step."""
+    tokenizer = demo.build_tokenizer()
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=24,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    prompt = "reverse: abcdefgh"  # 20 tokens through the demo's chat template: <|user|>, 17 characters, 2 more
+    args = ["recipes/sft.py", "--config", "recipes/configs/sft.yaml", "--model_name_or_path", tmp_path / "gpt2",
+            "--dataset_name", tiny["data"], "--max_seq_length", "24", "--max_steps", "1",
+            "--output_dir", tmp_path / "out", "--generation_prompts", "reverse: ab", prompt]
+    proc = run([sys.executable, *args, "--generation_max_new_tokens", "6"], expect_rc=2)
+    assert proc.stderr.endswith(
+        "error: generation_prompts: prompt 2 takes 20 tokens as sent, and with generation_max_new_tokens 6 its answer "
+        "would reach past the model's learned position table (24 positions): shorten the prompt, or set "
+        "generation_max_new_tokens 5 or less\n")
+    assert "training:" not in proc.stdout
+    # 5 is what the table holds: the 5th answer token is predicted from its last position (23).
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    assert gpt2.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False).shape[1] == 25
+    with pytest.raises(IndexError):
+        gpt2.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    run([sys.executable, *args, "--generation_max_new_tokens", "5"])
+    assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 2
