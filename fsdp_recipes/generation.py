@@ -28,24 +28,29 @@ def prompt_text(tokenizer, prompt: str, use_chat_template: bool) -> str:
     return (tokenizer.bos_token or "") + prompt
 
 
-def check_prompts_fit(cfg: TrainConfig, tokenizer, model_config) -> None:
-    """Before the first step: each prompt with its answer must fit a learned position table (GPT-2's, BioGPT's),
-    which generation would otherwise index past after the whole run (a device-side assert on a GPU). Rotary
-    positions have no table: transformers only warns there."""
+def check_generation_prompts(cfg: TrainConfig, tokenizer, model_config) -> None:
+    """Before the first step, what generation would fail on after the whole run: a prompt of no tokens (an empty
+    prompt sent as plain text by a tokenizer without BOS: nothing to start from), or a prompt whose answer would run
+    past a learned position table (GPT-2's, BioGPT's; a device-side assert on a GPU). Rotary positions have no
+    table: transformers only warns there."""
+    if not cfg.generation_prompts:
+        return
     config = model_config.get_text_config()
     positions = getattr(config, "max_position_embeddings", None)
-    if not cfg.generation_prompts or not positions or rotary_context(config) is not None:
-        return
+    table = positions if positions and rotary_context(config) is None else None
     for i, prompt in enumerate(cfg.generation_prompts, 1):
         tokens = len(tokenizer(prompt_text(tokenizer, prompt, cfg.generation_use_chat_template),
                                add_special_tokens=False)["input_ids"])
+        if tokens == 0:
+            raise ConfigError(f"generation_prompts: prompt {i} is empty, and the tokenizer has no BOS token to send "
+                              f"before it as plain text: the model would have no token to answer; write a prompt")
         # The last answer token is predicted, never read: the prompt and the other answer tokens take a position.
-        if tokens + cfg.generation_max_new_tokens - 1 > positions:
+        if table and tokens + cfg.generation_max_new_tokens - 1 > table:
             raise ConfigError(f"generation_prompts: prompt {i} takes {tokens} tokens as sent, and with "
                               f"generation_max_new_tokens {cfg.generation_max_new_tokens} its answer would reach past "
-                              f"the model's learned position table ({positions} positions): shorten the prompt"
-                              + (f", or set generation_max_new_tokens {positions + 1 - tokens} or less"
-                                 if tokens <= positions else ""))
+                              f"the model's learned position table ({table} positions): shorten the prompt"
+                              + (f", or set generation_max_new_tokens {table + 1 - tokens} or less"
+                                 if tokens <= table else ""))
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from .device_stats import flops_model, mfu, peak_memory_across_ranks
 from .distributed import DistEnv, print_rank0
 from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
-from .generation import check_prompts_fit
+from .generation import check_generation_prompts
 from .metrics import MetricsLogger
 from .progress import TrainingProgress, use_progress_bars
 from .schedule import count_total_steps
@@ -197,7 +197,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
                           f"{recipes_dir}` updates the recipes there")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
-    check_prompts_fit(cfg, tokenizer, model.config)  # found now, not when final/ answers them after the run
+    check_generation_prompts(cfg, tokenizer, model.config)  # found now, not when final/ answers them after the run
     if cfg.packing:
         check_packing_separates_examples(model, cfg, env.device)
         if getattr(model.config, "output_router_logits", False):

@@ -9,8 +9,9 @@ from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMH
 
 from conftest import run
 from fsdp_recipes import demo
-from fsdp_recipes.config import parse_config
-from fsdp_recipes.generation import generate_samples, load_exported_model, log_sample_generations
+from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.generation import (check_generation_prompts, generate_samples, load_exported_model,
+                                   log_sample_generations)
 from fsdp_recipes.metrics import MetricsLogger
 
 
@@ -94,3 +95,32 @@ def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_be
         gpt2.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     run([sys.executable, *args, "--generation_max_new_tokens", "5"])
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_an_empty_plain_text_prompt_without_a_bos_token_is_refused(tiny, tmp_path):
+    """Nothing to answer: generate() would fail on a prompt of no tokens after the whole run (Qwen's tokenizers
+    have no BOS)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(tiny["model"], tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.bos_token = None
+    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with pytest.raises(RuntimeError, match="cannot reshape tensor of 0 elements"):
+        generate_samples(str(folder), ["reverse: ab", ""], 4, False, torch.device("cpu"), "sdpa")
+
+    def check(*prompts, chat_template):
+        cfg = parse_config(["--model_name_or_path", str(folder), "--dataset_name", "d", "--generation_prompts",
+                            *prompts, "--generation_use_chat_template", str(chat_template).lower()])
+        check_generation_prompts(cfg, tokenizer, model.config)
+
+    with pytest.raises(ConfigError) as error:
+        check("reverse: ab", "", chat_template=False)
+    assert str(error.value) == ("generation_prompts: prompt 2 is empty, and the tokenizer has no BOS token to send "
+                                "before it as plain text: the model would have no token to answer; write a prompt")
+    check("", chat_template=True)  # the template's user turn holds tokens
+    tokenizer.bos_token = "<|bos|>"
+    check("", chat_template=False)
