@@ -216,7 +216,11 @@ def _load_file(name: str) -> datasets.Dataset:
     if os.path.getsize(name) == 0:
         raise ConfigError(f"{name} is empty: it holds no examples")
     try:
-        options = _csv_as_text(name) if builder == "csv" else {}
+        options = {}
+        if builder == "csv":
+            options = _csv_as_text(name)
+        elif builder == "json":
+            options = {"chunksize": _data_size(name)}
         return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
     except ConfigError:
         raise
@@ -224,6 +228,20 @@ def _load_file(name: str) -> datasets.Dataset:
         if "corresponds to no data" in str(error):  # datasets' words for a file that yields no rows
             raise ConfigError(f"{name} holds no examples") from None
         raise _parse_error(name, error) from error
+
+
+def _data_size(name: str) -> int:
+    """A data file's size in bytes, decompressed: the json reader's chunksize that reads the file in one piece.
+
+    datasets reads JSON lines in 10 MB pieces and takes the column types from the first piece: the values of a later
+    piece are cast to them (a number 5 to '5', a list of content parts to its JSON text; under datasets 5, every
+    string of a column with such a value becomes its JSON text, quotes included), and a column that is null all
+    through the first piece, or a message key that first appears later (tool_calls), stops the load. Read in one
+    piece, the types come from every row, and a row of another type is refused with its row number."""
+    if not name.lower().endswith(_COMPRESSIONS):
+        return max(os.path.getsize(name), 1)
+    with fsspec.open(name, "rb", compression="infer") as f:
+        return max(sum(len(block) for block in iter(lambda: f.read(1 << 24), b"")), 1)
 
 
 def _csv_as_text(name: str) -> dict:

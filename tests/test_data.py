@@ -1013,6 +1013,29 @@ def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
             load_split(str(tmp_path / "f.csv"), None, "train")
 
 
+def test_json_lines_past_datasets_first_10_mb_keep_their_values_and_types(tmp_path):
+    # datasets reads JSON lines in 10 MB pieces, with the column types of the first piece: the rows after it were
+    # cast to them (5 to '5', content parts to their JSON text, every string of such a column quoted) or refused.
+    long = "a" * 100_000
+    first_piece = [{"messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "b"}]}] * 110
+    parts = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant",
+                                                             "content": [{"type": "text", "text": "hi"}]}]}
+    call = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}
+    for name, late in [("parts", parts), ("call", call)]:
+        demo.write_jsonl(tmp_path / f"{name}.jsonl", first_piece + [late])
+        rows = load_split(str(tmp_path / f"{name}.jsonl"), None, "train")
+        assert (len(rows), rows[0], rows[-1]) == (111, first_piece[0], late)
+    with pytest.raises(ConfigError, match=r"^row 111: message 1 needs a string 'role' and a string 'content'"):
+        tokenize_example(load_split(str(tmp_path / "parts.jsonl"), None, "train")[-1], "chat", TOKENIZER, 64, row=111)
+    # A column null all through the first piece, a number after it.
+    first_piece = [{"instruction": long, "input": None, "output": "b"}] * 110
+    late = [{"instruction": "i", "input": "x", "output": "b"}, {"instruction": "i", "input": None, "output": 5}]
+    with gzip.open(tmp_path / "late.jsonl.gz", "wt") as f:  # compressed: its size is no guide to the piece
+        f.writelines(json.dumps(row) + "\n" for row in first_piece + late)
+    rows = load_split(str(tmp_path / "late.jsonl.gz"), None, "train")
+    assert (len(rows), rows[0], rows[-2], rows[-1]) == (112, first_piece[0], *late)
+
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
     write_multi_config_copy(tmp_path / "copy")
     train, _ = build_datasets(cfg(tmp_path / "copy", dataset_config_name="socratic"), TOKENIZER)
