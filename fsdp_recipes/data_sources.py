@@ -339,8 +339,24 @@ def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
                               f"{file} has {part.column_names}: {advice}")
     try:
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    except ValueError as error:  # datasets names the features it cannot align
-        raise ConfigError(f"the files of {folder} have columns of other types ({error}): {advice}") from None
+    except ValueError as error:  # datasets names the features it cannot align, not the files that hold them
+        file, part = next(((file, part) for file, part in zip(files[1:], parts[1:]) if not _join(parts[0], part)),
+                          (files[-1], parts[-1]))
+        differ = "; ".join(f"'{column}' is {parts[0].features[column]} in {files[0]}, {part.features[column]} in {file}"
+                           for column in part.column_names if part.features[column] != parts[0].features[column])
+        if "Json(" in differ:  # datasets 5 reads a column whose values have several types (5 among strings) as Json
+            advice = ("the rows of one file hold values of several types in that column (read alone, as dataset_name, "
+                      "the file's rows of another type are named): give them one type")
+        raise ConfigError(f"the files of {folder} have columns of other types: {differ or error}: {advice}") from None
+
+
+def _join(first: datasets.Dataset, other: datasets.Dataset) -> bool:
+    """Whether concatenate_datasets joins the two (it aligns a column null in one with its type in the other)."""
+    try:
+        datasets.concatenate_datasets([first, other])
+    except ValueError:
+        return False
+    return True
 
 
 def _load_from_disk(path: str) -> datasets.Dataset:

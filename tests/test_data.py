@@ -1172,7 +1172,7 @@ def bad_input_cases(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
     (tmp_path / "data_folder").mkdir()
     demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
-    for folder in ("bad_folder", "columns_folder", "types_folder", "text_folder", "empty_folder", "named_folder",
+    for folder in ("bad_folder", "columns_folder", "types_folder", "mixed_folder", "text_folder", "empty_folder", "named_folder",
                    "split_folder/train"):
         (tmp_path / folder).mkdir(parents=True)
     demo.write_jsonl(tmp_path / "named_folder" / "train.jsonl", ROWS)
@@ -1187,6 +1187,9 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "columns_folder" / "b.jsonl", [CHAT])
     demo.write_jsonl(tmp_path / "types_folder" / "a.jsonl", [{"text": "a"}])
     demo.write_jsonl(tmp_path / "types_folder" / "b.jsonl", [{"text": ["a"]}])
+    demo.write_jsonl(tmp_path / "mixed_folder" / "a.jsonl", [{"text": "a"}])
+    demo.write_jsonl(tmp_path / "mixed_folder" / "b.jsonl", [{"text": "a"}])
+    demo.write_jsonl(tmp_path / "mixed_folder" / "c.jsonl", [{"text": "a"}, {"text": 5}])
     demo.write_jsonl(tmp_path / "text_folder" / "a.jsonl", ROWS)
     (tmp_path / "text_folder" / "notes.txt").write_text("where the data came from\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
@@ -1228,7 +1231,11 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "columns_folder"), r"the files of .*columns_folder differ in their columns: .*a.jsonl has "
                                            r"\['prompt', 'completion'\], .*b.jsonl has \['messages'\]: give every "
                                            r"file the same columns"),
-        (cfg(tmp_path / "types_folder"), r"the files of .*types_folder have columns of other types"),
+        (cfg(tmp_path / "types_folder"), r"^the files of .*types_folder have columns of other types: 'text' is "
+                                         r"Value\('string'\) in .*types_folder/a.jsonl, .* in .*types_folder/b.jsonl: "
+                                         r"give every file the same columns"),
+        (cfg(tmp_path / "mixed_folder"), r"^the files of .*mixed_folder have columns of other types: 'text' is "
+                                         r"Value\('string'\) in .*mixed_folder/a.jsonl, .* in .*mixed_folder/c.jsonl"),
         (cfg(tmp_path / "text_folder"), r".*text_folder/notes.txt: unsupported file type in the data folder .*, "
                                         r"whose every file is read; use one of .json, .jsonl, .csv, .parquet \(or one "
                                         r"of them compressed: .gz, .bz2, .xz, .zst\), or move"),
