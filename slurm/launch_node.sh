@@ -13,14 +13,20 @@ set -euo pipefail
 : "${MASTER_ADDR:?the address of node 0, reachable from every node}" "${MASTER_PORT:?a free port on node 0}"
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/fsdp2_hsdp_multinode.yaml}
 
-# Node 0 hosts the rendezvous store; telling the others so keeps them from trying to host it when MASTER_ADDR
-# happens to be one of their own addresses (as on one test machine). They wait read_timeout seconds for it (torch's
-# default, 60 s, gave up after about 2.5 minutes); node 0 waits for them torch's join_timeout, 600 s.
-if [ "$NODE_RANK" = 0 ]; then is_host=true; else is_host=false; fi
+# On one node accelerate gives c10d no address, and it would take torch's fixed port 29400 instead of MASTER_PORT,
+# colliding with any other job on the node: torchrun's static rendezvous on MASTER_PORT there.
+# On several, node 0 hosts the rendezvous store; telling the others so keeps them from trying to host it when
+# MASTER_ADDR happens to be one of their own addresses (as on one test machine). They wait read_timeout seconds for it
+# (torch's default, 60 s, gave up after about 2.5 minutes); node 0 waits for them torch's join_timeout, 600 s.
+if [ "$NNODES" = 1 ]; then
+    rendezvous=(--rdzv_backend static)
+else
+    if [ "$NODE_RANK" = 0 ]; then is_host=true; else is_host=false; fi
+    rendezvous=(--rdzv_backend c10d --rdzv_conf "is_host=$is_host,read_timeout=600")
+fi
 
 exec accelerate launch --config_file "$ACCELERATE_CONFIG" \
     --num_machines "$NNODES" --num_processes "$((NNODES * GPUS_PER_NODE))" --machine_rank "$NODE_RANK" \
-    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-    --rdzv_backend c10d --rdzv_conf "is_host=$is_host,read_timeout=600" \
+    --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" "${rendezvous[@]}" \
     --parallelism_config_dp_replicate_size "$NNODES" --parallelism_config_dp_shard_size "$GPUS_PER_NODE" \
     "$@"

@@ -3,6 +3,7 @@ process (two launchers on 127.0.0.1 meeting by c10d rendezvous). Same data, same
 And what slurm/launch_node.sh asks of accelerate, through accelerate's and torchrun's own code."""
 
 import argparse
+import contextlib
 import os
 import socket
 import stat
@@ -59,9 +60,16 @@ def losses(out) -> list[float]:
     return [m["loss"] for m in read_metrics(out / "metrics.jsonl")]
 
 
-def fake_slurm(bin_dir):
+# srun for a one-node job: the node's task alone.
+SRUN_ONE_NODE = """#!/bin/bash
+while [[ $1 == -* ]]; do shift; done
+SLURM_STEP_NUM_TASKS=1 SLURM_NODEID=0 exec "$@"
+"""
+
+
+def fake_slurm(bin_dir, srun: str = SRUN):
     bin_dir.mkdir()
-    for name, text in [("scontrol", SCONTROL), ("srun", SRUN)]:
+    for name, text in [("scontrol", SCONTROL), ("srun", srun)]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     return bin_dir
@@ -197,6 +205,31 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
     assert not (bin_dir / "srun.args").exists()
+
+
+def test_one_node_meets_on_master_port(tiny, tmp_path):
+    """A one-node job: accelerate gives c10d no address there, so it would take torch's fixed port 29400 and collide
+    with another job on the node. The sbatch script runs while a listener holds 29400 (another job's, or this
+    test's)."""
+    port = free_port()
+    args = launch_node_args(tmp_path, 0, nnodes=1, gpus_per_node=2, port=port)
+    prepare_multi_gpu_env(args)
+    launcher = torchrun.config_from_args(_filter_args(args, torchrun.get_args_parser(), [
+        "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
+    assert launcher.rdzv_endpoint == f"127.0.0.1:{port}"
+
+    slurm = dict(SLURM_NNODES="1", SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node-a1",
+                 SLURM_JOB_ID="1", MASTER_PORT=str(port))
+    path = os.pathsep.join([str(fake_slurm(tmp_path / "bin", SRUN_ONE_NODE)), os.path.dirname(sys.executable),
+                            os.environ["PATH"]])
+    with socket.socket() as other_job:
+        with contextlib.suppress(OSError):  # already held: by another job
+            other_job.bind(("", 29400))
+            other_job.listen()
+        proc = run(["bash", "slurm/sft_multinode.sbatch", "--model_name_or_path", tiny["model"], "--dataset_name",
+                    tiny["data"], "--output_dir", tmp_path / "out", *TRAIN_ARGS[:6]], PATH=path, **slurm)
+    assert "engine: FSDP2 (fully_shard) over 2 ranks" in proc.stdout
+    assert (tmp_path / "out" / "final" / "model.safetensors").exists()
 
 
 def test_tasks_started_without_a_launcher_are_refused(tiny, tmp_path):
