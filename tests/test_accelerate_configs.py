@@ -66,6 +66,18 @@ def test_every_key_is_one_accelerate_reads(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+def test_every_launcher_key_reaches_accelerate(name):
+    """accelerate also drops, without a word, a top-level key whose launch option has a default of its own (as
+    rdzv_backend's `static`): each one of a shipped config must come out of accelerate's launcher code as written."""
+    config = yaml.safe_load((REPO / "accelerate_configs" / name).read_text())
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "accelerate_configs" / name), "recipe.py"]))
+    for key, value in config.items():
+        if not isinstance(value, dict) and key not in ("compute_environment", "distributed_type"):
+            assert getattr(args, key) == value, key
+
+
+@pytest.mark.parametrize("name", CONFIGS)
 def test_each_config_starts_by_saying_when_to_use_it(name):
     assert (REPO / "accelerate_configs" / name).read_text().startswith("# ")
 
