@@ -175,12 +175,8 @@ def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
 def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
     """RECIPE alone takes the recipe's YAML config (Qwen3-MoE's holds its router loss, which llama_sft.yaml would
     drop without a word); a recipe of several configs (gemma_sft.py) needs RECIPE_CONFIG."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(SCONTROL)
-    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n')  # records what a node would run
-    for name in ("scontrol", "srun"):
-        (bin_dir / name).chmod(stat.S_IRWXU)
+    # srun records what a node would run.
+    bin_dir = fake_slurm(tmp_path / "bin", '#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n')
     slurm = dict(SLURM_NNODES="2", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1",
                  PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
