@@ -201,6 +201,10 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
     assert not (bin_dir / "srun.args").exists()
+    del slurm["SLURM_CPUS_PER_TASK"]  # the #SBATCH --cpus-per-task line removed
+    proc = sbatch(expect_rc=1)
+    assert "SLURM_CPUS_PER_TASK: keep the #SBATCH --cpus-per-task line" in proc.stderr
+    assert not (bin_dir / "srun.args").exists()
 
 
 def test_one_node_meets_on_master_port(tiny, tmp_path):
