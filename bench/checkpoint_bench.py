@@ -5,9 +5,10 @@ the conversion of the sharded checkpoint to a Hugging Face folder.
 
 Llamas of 1024 hidden and a 32k vocabulary (untied) with 1, 5, 15 and 34 layers hold 0.31, 0.52, 1.03 and 2.01 GB
 of fp32 weights. Each size runs in 2 fresh processes (FSDP2, gloo): the model is sharded, and one AdamW step on zero
-gradients fills the optimizer state (twice the model), so the checkpoints have their real size. Each phase resets
-the kernel's peak-RSS counter of both ranks (/proc/self/clear_refs) and reports the largest peak of the two, and
-the larger of the two ranks' increases, a rank's peak minus its RSS before the phase ("extra"). The conversion runs as its own process (as a user runs
+gradients fills the optimizer state (twice the model), so the checkpoints have their real size. Each phase first
+returns the memory that earlier phases freed to the system (glibc's malloc_trim: a phase reusing it would not raise
+the RSS), resets the kernel's peak-RSS counter of both ranks (/proc/self/clear_refs) and reports the largest peak of
+the two, and the larger of the two ranks' increases, a rank's peak minus its RSS before the phase ("extra"). The conversion runs as its own process (as a user runs
 it), with --max_shard_size 100MB, so that the largest output file is the largest tensor; its "extra" is its peak
 anonymous memory above that of a process that only imports the converter (anonymous: the RSS also counts shared
 library pages, which vary between processes by up to 100 MB with a CUDA build of torch). Each size's files are
@@ -17,6 +18,7 @@ deleted before the next.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -25,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from convert_bench import measure  # noqa: E402  (a sibling script)
@@ -35,9 +38,37 @@ def rss_mb(field: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
 
 
+def return_freed_heap_memory() -> None:
+    """Give the pages of freed memory that glibc keeps in its heaps back to the system (malloc_trim). An earlier
+    phase's freed tensors stay there otherwise, and a later phase that reuses them adds nothing to the RSS: its own
+    memory would go uncounted. Not glibc: nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
+def measure_phase(name: str, fn) -> dict:
+    """Run `fn` on every rank; its time, the largest peak RSS of the ranks, and the largest increase of a rank's
+    peak over its RSS before the phase."""
+    dist.barrier()
+    return_freed_heap_memory()
+    before = rss_mb("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, (rss_mb("VmHWM:"), rss_mb("VmHWM:") - before))
+    return {"phase": name, "seconds": round(seconds, 2), "peak_rss_mb": round(max(p[0] for p in peaks)),
+            "extra_rss_mb": round(max(p[1] for p in peaks))}
+
+
 def worker(work_dir: str, num_layers: int, hidden_size: int, vocab_size: int) -> None:
     """On each of 2 ranks: build, shard, step, then time each phase; rank 0 prints one RESULT line."""
-    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
     from fsdp_recipes import demo
@@ -68,27 +99,15 @@ def worker(work_dir: str, num_layers: int, hidden_size: int, vocab_size: int) ->
         tokenizer = demo.build_tokenizer()
         paths = {}
 
-        def phase(name, fn):
-            dist.barrier()
-            before = rss_mb("VmRSS:")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            start = time.perf_counter()
-            fn()
-            dist.barrier()
-            seconds = time.perf_counter() - start
-            peaks = [None] * env.world_size
-            dist.all_gather_object(peaks, (rss_mb("VmHWM:"), rss_mb("VmHWM:") - before))
-            return {"phase": name, "seconds": round(seconds, 2), "peak_rss_mb": round(max(p[0] for p in peaks)),
-                    "extra_rss_mb": round(max(p[1] for p in peaks))}
-
         def save(fmt, step):
             cfg.save_state_dict_type = fmt
             paths[fmt] = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, 0, None)
 
-        phases = [phase("sharded save", lambda: save("sharded", 1)), phase("full save", lambda: save("full", 2)),
-                  phase("resume (sharded)", lambda: load_checkpoint(paths["sharded"], model, optimizer, scheduler)),
-                  phase("resume (full)", lambda: load_checkpoint(paths["full"], model, optimizer, scheduler))]
+        phases = [measure_phase("sharded save", lambda: save("sharded", 1)),
+                  measure_phase("full save", lambda: save("full", 2)),
+                  measure_phase("resume (sharded)", lambda: load_checkpoint(paths["sharded"], model, optimizer,
+                                                                            scheduler)),
+                  measure_phase("resume (full)", lambda: load_checkpoint(paths["full"], model, optimizer, scheduler))]
         if env.is_main:
             print("RESULT " + json.dumps({"num_layers": num_layers, "model_bytes": model_bytes,
                                           "largest_tensor_bytes": largest_tensor, "sharded_checkpoint": paths["sharded"],

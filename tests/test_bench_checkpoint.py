@@ -1,9 +1,12 @@
 """The checkpoint cost benchmark runs every phase on a tiny model and cleans up after itself."""
 
+import importlib.util
 import json
 import sys
 
-from conftest import run
+import torch
+
+from conftest import REPO, run
 
 
 def test_checkpoint_benchmark_measures_every_phase(tmp_path):
@@ -18,3 +21,27 @@ def test_checkpoint_benchmark_measures_every_phase(tmp_path):
     assert 3 * result["model_bytes"] < result["sharded_checkpoint_bytes"] < 4 * result["model_bytes"]
     assert result["largest_output_file_bytes"] > result["model_bytes"]  # one file: the tiny model is under 100MB
     assert list((tmp_path / "work").iterdir()) == []
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("checkpoint_bench", REPO / "bench" / "checkpoint_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_phase_counts_the_memory_it_reuses_from_an_earlier_phases_freed_tensors(one_process_group):
+    """glibc keeps freed heap memory: a phase whose tensors reuse it must still count them (128 MiB here)."""
+    mib, kept = 2 ** 20, []
+
+    def allocate_and_free():
+        torch.empty(16 * mib, dtype=torch.uint8)  # a mapping freed at once raises glibc's mmap threshold past 4 MiB
+        blocks = [torch.ones(4 * mib, dtype=torch.uint8) for _ in range(32)]  # so these come from the heap,
+        kept.append(torch.ones(mib, dtype=torch.uint8))  # which cannot shrink past this one when they are freed
+        del blocks
+
+    bench = load_bench()
+    bench.measure_phase("allocate and free", allocate_and_free)
+    reuse = bench.measure_phase("allocate again", lambda: kept.append(
+        [torch.ones(4 * mib, dtype=torch.uint8) for _ in range(32)]))
+    assert 120 < reuse["extra_rss_mb"] < 140
