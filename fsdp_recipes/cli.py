@@ -7,8 +7,10 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
+import torch.distributed as dist
+
 from .config import ConfigError
-from .distributed import FailedOnRank0, exit_process
+from .distributed import SIGTERM_EXIT_CODE, FailedOnRank0, StoppedBySigterm, exit_process
 
 
 def run_main(main: Callable[[], None]) -> NoReturn:
@@ -19,6 +21,11 @@ def run_main(main: Callable[[], None]) -> NoReturn:
         sys.stderr.write(f"error: {error}\n")
         _finish_wandb(exit_code=2)
         exit_process(2)
+    except StoppedBySigterm as stop:  # every rank stopped after the same step; rank 0 says what was saved
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            sys.stderr.write(f"{stop}\n")
+        _finish_wandb(exit_code=SIGTERM_EXIT_CODE)
+        exit_process(SIGTERM_EXIT_CODE)
     except FailedOnRank0 as error:  # rank 0 prints the traceback
         sys.stderr.write(f"error: {error}\n")
         _finish_wandb(exit_code=1)

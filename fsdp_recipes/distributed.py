@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, NoReturn, Optional, TypeVar
+from typing import Callable, Iterator, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,39 @@ def run_on_rank0(work: Callable[[], T], what: str) -> Optional[T]:
         config_error, message = failure[0]
         raise ConfigError(message) if config_error else FailedOnRank0(message)
     return result
+
+
+# What a shell reports for a process that SIGTERM ended, and what SLURM requeue scripts test for a pre-empted job.
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class StoppedBySigterm(Exception):
+    """Raised out of train() on every rank at the same step once a SIGTERM reached any rank; the message says what
+    was saved. run_main prints it on rank 0 and exits SIGTERM_EXIT_CODE."""
+
+
+class SigtermNote:
+    """A SIGTERM handler that only notes the signal: a handler cannot run collectives, so the training loop reads
+    `received` and stops all ranks at a step boundary."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum, frame) -> None:
+        self.received = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, as without this
+
+
+@contextlib.contextmanager
+def sigterm_noted() -> Iterator[SigtermNote]:
+    """Note SIGTERM instead of dying of it inside the block; the previous handler is back after it."""
+    note = SigtermNote()
+    previous = signal.signal(signal.SIGTERM, note)
+    try:
+        yield note
+    finally:
+        # None: a handler installed outside Python, which signal.signal cannot reinstall.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def exit_process(code: int = 0) -> NoReturn:

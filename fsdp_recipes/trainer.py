@@ -22,7 +22,7 @@ from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
                    model_inputs, optimizer_step_batches)
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
-from .distributed import DistEnv, print_rank0
+from .distributed import DistEnv, SigtermNote, StoppedBySigterm, print_rank0, sigterm_noted
 from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
 from .generation import check_generation_prompts
@@ -87,20 +87,39 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def step_token_counts(micro_batches: list[dict]) -> tuple[float, float, float]:
-    """(label tokens, real input tokens, all token slots incl. padding) of the step, summed over all ranks.
+def step_token_counts(micro_batches: list[dict], sigterm_received: bool = False
+                      ) -> tuple[float, float, float, bool]:
+    """(label tokens, real input tokens, all token slots incl. padding) of the step, summed over all ranks, and whether
+    any rank has received a SIGTERM.
 
     Counted on the host from the CPU batches before any compute, and reduced on the CPU (gloo): a device tensor would
-    make the host wait for the previous step's work, twice.
+    make the host wait for the previous step's work, twice. The SIGTERM flag rides along, so that every rank sees it
+    at the same step without a reduction of its own.
     """
     counts = torch.tensor(
         [sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches),
          sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
-         sum(mb["attention_mask"].numel() for mb in micro_batches)],
+         sum(mb["attention_mask"].numel() for mb in micro_batches),
+         float(sigterm_received)],
         dtype=torch.float64,
     )
     dist.all_reduce(counts)
-    return tuple(counts.tolist())
+    label_tokens, input_tokens, token_slots, sigterms = counts.tolist()
+    return label_tokens, input_tokens, token_slots, sigterms > 0
+
+
+def any_rank_received_sigterm(sigterm_received: bool) -> bool:
+    """Once per run, after the last step: a SIGTERM that came after the last step's reduction."""
+    flag = torch.tensor([float(sigterm_received)], dtype=torch.float64)  # on the CPU, as step_token_counts
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
+def stop_message(cfg: TrainConfig, step: int, checkpoint: str | None) -> str:
+    if checkpoint is None:
+        return (f"stopped by SIGTERM after step {step}: nothing saved, as this run saves no checkpoints "
+                f"(--save_steps 0; set it to make a stopped run resumable)")
+    return f"stopped by SIGTERM after step {step}: saved {checkpoint}; resume with --resume_from_checkpoint auto"
 
 
 def forward_backward(model: nn.Module, micro_batches: list[dict], label_tokens: float, world_size: int,
@@ -186,7 +205,16 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
           resume_from: str | None = None, eval_dataset=None) -> None:
     """Train to total_steps, from step 0 or from the checkpoint `resume_from` (already validated); evaluate on
     eval_dataset (if any) every eval_steps and at the end, and at the checkpoint's step if that evaluation is not in
-    metrics.jsonl."""
+    metrics.jsonl.
+
+    A SIGTERM (a pre-emption, a time limit) on any rank stops every rank after the same step, saved as a checkpoint
+    if save_steps is on: StoppedBySigterm says what was saved."""
+    with sigterm_noted() as sigterm:
+        train_steps(cfg, env, model, tokenizer, train_dataset, logger, resume_from, eval_dataset, sigterm)
+
+
+def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
+                resume_from: str | None, eval_dataset, sigterm: SigtermNote) -> None:
     left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
     if left:
         # A recipe copied before checkpoint.remove_earlier_run existed: retention would mix the two runs' checkpoints.
@@ -251,14 +279,19 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
     interval = {"seconds": 0.0, "steps": 0, "input_tokens": 0.0, "token_slots": 0.0, "rows": 0}
     last_checked = start_step  # the last step whose gradient norm was checked and finite (a checkpoint's was)
     model.train()
-    for step in range(start_step + 1, total_steps + 1):
+    checkpoint = resume_from  # the newest checkpoint of the run
+    step, stopping = start_step, False
+    while step < total_steps and not stopping:
+        step += 1
         start = time.perf_counter()
-        log_now = step % cfg.logging_steps == 0 or step == total_steps
-        evaluate_now = eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0)
-                                                     or step == total_steps)
-        save_now = cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps)
         micro_batches = next(batches)
-        label_tokens, input_tokens, token_slots = step_token_counts(micro_batches)
+        # Read before the step's compute, the same on every rank: the step is trained, then logged and saved as a last
+        # step would be (its evaluation left to the resume, which runs it); a stop waits one step more than the signal.
+        label_tokens, input_tokens, token_slots, stopping = step_token_counts(micro_batches, sigterm.received)
+        log_now = stopping or step % cfg.logging_steps == 0 or step == total_steps
+        evaluate_now = not stopping and eval_dataset is not None and ((cfg.eval_steps and step % cfg.eval_steps == 0)
+                                                                      or step == total_steps)
+        save_now = cfg.save_steps and (stopping or step % cfg.save_steps == 0 or step == total_steps)
         loss_sum, aux_loss_sum = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
                                                   sync_every_micro_batch=cfg.gradient_sync == "every_micro_batch")
 
@@ -316,8 +349,10 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
             check_finite_grad_norm(grad_norm.item(), step, last_checked, cfg)
             last_checked = step
         if save_now:  # before the evaluation: an evaluation that fails (out of memory) loses no trained step
-            save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
-                            logger.wandb_run_state, train_data)
+            checkpoint = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step, step // steps_per_epoch,
+                                         logger.wandb_run_state, train_data)
         if evaluate_now:
             evaluate_and_log(step)
     progress.close()
+    if stopping or any_rank_received_sigterm(sigterm.received):
+        raise StoppedBySigterm(stop_message(cfg, step, checkpoint if cfg.save_steps else None))

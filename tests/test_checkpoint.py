@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -1337,3 +1338,102 @@ def test_weights_load_memory_per_rank_and_engine(tmp_path):
     # with torch 2.13), and most of it on every rank from a sharded one (1.27x).
     assert max(r["fsdp1 full"]["extra_mb"] for r in ranks) > model_mb
     assert min(r["fsdp1 sharded"]["extra_mb"] for r in ranks) > 0.75 * model_mb
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of each process torchrun started, from /proc."""
+    pids = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    ranks = {}
+    for pid in pids:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        [rank] = [entry.split(b"=", 1)[1] for entry in environ if entry.startswith(b"RANK=")]
+        ranks[int(rank)] = int(pid)
+    return ranks
+
+
+def sigterm_after_first_log(args: list, ranks: tuple[int, ...], output_dir: Path) -> tuple[int, str]:
+    """Run the recipe on 2 processes under torchrun and send SIGTERM to `ranks` once step 1 is in metrics.jsonl,
+    as SLURM does at a pre-emption; return torchrun's exit code and stderr."""
+    logs = output_dir.parent / f"{output_dir.name}.log"
+    with open(logs, "w") as log, subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RECIPE,
+             *map(str, args)], cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT) as launcher:
+        metrics = output_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text()) and launcher.poll() is None:
+            time.sleep(0.05)
+        pids = worker_pids(launcher)
+        for rank in ranks:
+            os.kill(pids[rank], signal.SIGTERM)
+        launcher.wait(timeout=300)
+    return launcher.returncode, logs.read_text()
+
+
+@pytest.mark.parametrize("ranks", [(0, 1), (1,)])
+def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, reference, tmp_path, ranks):
+    # No checkpoint before the last step but the one the SIGTERM asks for.
+    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--resume_from_checkpoint", "auto")
+    code, output = sigterm_after_first_log(args, ranks, tmp_path)
+    assert code == 1, output  # torchrun's code for any failed rank; it names each rank's
+    assert sorted(re.findall(r"rank +: ([01]) \(local_rank: [01]\)\n +exitcode +: ([0-9]+)", output)) == [
+        ("0", "143"), ("1", "143")], output
+    [message] = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM")]
+    step = int(re.fullmatch(f"stopped by SIGTERM after step ([0-9]+): saved {tmp_path}/checkpoint-\\1; resume with "
+                            f"--resume_from_checkpoint auto", message)[1])
+    assert 1 < step <= 6
+    assert output.count("Traceback") == 1, output  # torchrun's, not the ranks'
+    # Both ranks wrote the checkpoint of that step: the one that got no SIGTERM stopped at the same step.
+    assert (tmp_path / "latest").read_text() == f"checkpoint-{step}" and not (tmp_path / "final").exists()
+    assert validate_checkpoint(str(tmp_path / f"checkpoint-{step}"))["step"] == step
+    assert max(losses(tmp_path)) == step
+    if ranks == (1,):
+        return  # the checkpoint is the same kind as above; one resume is enough for the suite's time
+
+    resumed = torchrun(RECIPE, *args)
+    assert f"resumed from {tmp_path / f'checkpoint-{step}'} at step {step}" in resumed.stdout
+    assert losses(tmp_path) == losses(reference)
+    assert_same_weights(final_weights(tmp_path), final_weights(reference))
+
+
+@pytest.mark.parametrize("in_step, save_steps, message", ids=["mid_run_without_checkpoints", "last_step"], argvalues=[
+    (2, 0, "stopped by SIGTERM after step 3: nothing saved, as this run saves no checkpoints (--save_steps 0; set it "
+           "to make a stopped run resumable)"),
+    (6, 100, "stopped by SIGTERM after step 6: saved {out}/checkpoint-6; resume with --resume_from_checkpoint auto"),
+])
+def test_a_sigterm_in_a_step_stops_after_the_next_and_a_second_one_kills(tiny, tmp_path, one_process_group,
+                                                                           monkeypatch, in_step, save_steps, message):
+    """A SIGTERM during step k's compute is read at the start of step k + 1, which is trained, logged and saved;
+    one during the last step stops the run after it, without final/. A second SIGTERM would end the process."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_steps", save_steps,
+                                                        "--logging_steps", "5")])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    forward_backward = trainer.forward_backward
+    steps, after_the_first = [], []
+
+    def sigterm_in_step(*args, **kwargs):
+        steps.append(len(steps) + 1)
+        if len(steps) == in_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+            after_the_first.append(signal.getsignal(signal.SIGTERM))
+        return forward_backward(*args, **kwargs)
+
+    def earlier_handler(signum, frame):  # the handler train() must put back
+        pass
+
+    monkeypatch.setattr(trainer, "forward_backward", sigterm_in_step)
+    previous = signal.signal(signal.SIGTERM, earlier_handler)
+    try:
+        with pytest.raises(trainer.StoppedBySigterm) as stop:
+            train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True))
+        restored = signal.getsignal(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert str(stop.value) == message.format(out=tmp_path)
+    assert after_the_first == [signal.SIG_DFL] and restored is earlier_handler
+    assert steps == list(range(1, min(in_step + 1, 6) + 1))
+    # The last step trained is logged (logging_steps 5 would skip step 3) and, with save_steps, saved.
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == ([5, 6] if in_step == 6 else [3])
+    assert sorted(os.listdir(tmp_path)) == (["checkpoint-6", "latest", "metrics.jsonl"] if save_steps
+                                            else ["metrics.jsonl"])

@@ -49,7 +49,7 @@ with distributed() as env:
             optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, foreach=False, fused=False)
         losses = []
         for micro_batches in steps:
-            label_tokens, _, _ = step_token_counts(micro_batches)
+            label_tokens, *_ = step_token_counts(micro_batches)
             loss_sum, _ = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
             clip_grad_norm(model, cfg.max_grad_norm)
             optimizer.step()
