@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator, NoReturn, Optional, TypeVar
@@ -158,14 +159,29 @@ class StoppedBySigterm(Exception):
 
 class SigtermNote:
     """A SIGTERM handler that only notes the signal: a handler cannot run collectives, so the training loop reads
-    `received` and stops all ranks at a step boundary."""
+    `received` and stops all ranks at a step boundary.
+
+    SLURM signals every process of the job at once, the launcher (torchrun, accelerate launch) too, which forwards its
+    own SIGTERM to each rank a moment later: a repeat within SAME_STOP_S of the first is that same stop. A later one
+    ends the process, as without this handler.
+    """
+
+    SAME_STOP_S = 5.0
 
     def __init__(self) -> None:
-        self.received = False
+        self.first_at: Optional[float] = None
+
+    @property
+    def received(self) -> bool:
+        return self.first_at is not None
 
     def __call__(self, signum, frame) -> None:
-        self.received = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once, as without this
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+        elif now - self.first_at > self.SAME_STOP_S:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @contextlib.contextmanager

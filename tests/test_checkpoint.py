@@ -1351,9 +1351,10 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
-def sigterm_after_first_log(args: list, ranks: tuple[int, ...], output_dir: Path) -> tuple[int, str]:
-    """Run the recipe on 2 processes under torchrun and send SIGTERM to `ranks` once step 1 is in metrics.jsonl,
-    as SLURM does at a pre-emption; return torchrun's exit code and stderr."""
+def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bool, output_dir: Path
+                            ) -> tuple[int, str]:
+    """Run the recipe on 2 processes under torchrun and send SIGTERM to torchrun if launcher_too (it forwards one to
+    each rank), and to `ranks`, once step 1 is in metrics.jsonl; return torchrun's exit code and output."""
     logs = output_dir.parent / f"{output_dir.name}.log"
     with open(logs, "w") as log, subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RECIPE,
@@ -1362,20 +1363,28 @@ def sigterm_after_first_log(args: list, ranks: tuple[int, ...], output_dir: Path
         while not (metrics.exists() and metrics.read_text()) and launcher.poll() is None:
             time.sleep(0.05)
         pids = worker_pids(launcher)
-        for rank in ranks:
-            os.kill(pids[rank], signal.SIGTERM)
+        # As SLURM signals the processes of a job step (in the order of their ids): torchrun's SIGTERM to each rank
+        # comes a moment after SLURM's own.
+        for pid in [launcher.pid] * launcher_too + [pids[rank] for rank in ranks]:
+            os.kill(pid, signal.SIGTERM)
         launcher.wait(timeout=300)
     return launcher.returncode, logs.read_text()
 
 
-@pytest.mark.parametrize("ranks", [(0, 1), (1,)])
-def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, reference, tmp_path, ranks):
+@pytest.mark.parametrize("ranks, launcher_too", [((0, 1), False), ((1,), False), ((0, 1), True)],
+                         ids=["both_ranks", "rank_1", "as_slurm_torchrun_and_both_ranks"])
+def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, reference, tmp_path, ranks,
+                                                                          launcher_too):
+    """SLURM signals every process of the job at once: torchrun then forwards its own SIGTERM to each rank too."""
     # No checkpoint before the last step but the one the SIGTERM asks for.
     args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--resume_from_checkpoint", "auto")
-    code, output = sigterm_after_first_log(args, ranks, tmp_path)
-    assert code == 1, output  # torchrun's code for any failed rank; it names each rank's
-    assert sorted(re.findall(r"rank +: ([01]) \(local_rank: [01]\)\n +exitcode +: ([0-9]+)", output)) == [
-        ("0", "143"), ("1", "143")], output
+    code, output = sigterm_after_first_log(args, ranks, launcher_too, tmp_path)
+    assert code == 1, output  # torchrun's code for any failed rank, and for a SIGTERM of its own
+    if launcher_too:
+        assert "Received 15 death signal, shutting down workers" in output
+    else:  # torchrun names each rank's code
+        assert sorted(re.findall(r"rank +: ([01]) \(local_rank: [01]\)\n +exitcode +: ([0-9]+)", output)) == [
+            ("0", "143"), ("1", "143")], output
     [message] = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM")]
     step = int(re.fullmatch(f"stopped by SIGTERM after step ([0-9]+): saved {tmp_path}/checkpoint-\\1; resume with "
                             f"--resume_from_checkpoint auto", message)[1])
@@ -1385,7 +1394,7 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     assert (tmp_path / "latest").read_text() == f"checkpoint-{step}" and not (tmp_path / "final").exists()
     assert validate_checkpoint(str(tmp_path / f"checkpoint-{step}"))["step"] == step
     assert max(losses(tmp_path)) == step
-    if ranks == (1,):
+    if ranks == (1,) or launcher_too:
         return  # the checkpoint is the same kind as above; one resume is enough for the suite's time
 
     resumed = torchrun(RECIPE, *args)
@@ -1399,10 +1408,10 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
            "to make a stopped run resumable)"),
     (6, 100, "stopped by SIGTERM after step 6: saved {out}/checkpoint-6; resume with --resume_from_checkpoint auto"),
 ])
-def test_a_sigterm_in_a_step_stops_after_the_next_and_a_second_one_kills(tiny, tmp_path, one_process_group,
-                                                                           monkeypatch, in_step, save_steps, message):
+def test_a_sigterm_in_a_step_stops_the_run_after_the_next(tiny, tmp_path, one_process_group, monkeypatch, in_step,
+                                                           save_steps, message):
     """A SIGTERM during step k's compute is read at the start of step k + 1, which is trained, logged and saved;
-    one during the last step stops the run after it, without final/. A second SIGTERM would end the process."""
+    one during the last step stops the run after it, without final/."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_steps", save_steps,
                                                         "--logging_steps", "5")])
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -1410,13 +1419,12 @@ def test_a_sigterm_in_a_step_stops_after_the_next_and_a_second_one_kills(tiny, t
     train_data, _ = build_datasets(cfg, tokenizer)
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     forward_backward = trainer.forward_backward
-    steps, after_the_first = [], []
+    steps = []
 
     def sigterm_in_step(*args, **kwargs):
         steps.append(len(steps) + 1)
         if len(steps) == in_step:
             os.kill(os.getpid(), signal.SIGTERM)
-            after_the_first.append(signal.getsignal(signal.SIGTERM))
         return forward_backward(*args, **kwargs)
 
     def earlier_handler(signum, frame):  # the handler train() must put back
@@ -1431,9 +1439,27 @@ def test_a_sigterm_in_a_step_stops_after_the_next_and_a_second_one_kills(tiny, t
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert str(stop.value) == message.format(out=tmp_path)
-    assert after_the_first == [signal.SIG_DFL] and restored is earlier_handler
+    assert restored is earlier_handler
     assert steps == list(range(1, min(in_step + 1, 6) + 1))
     # The last step trained is logged (logging_steps 5 would skip step 3) and, with save_steps, saved.
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == ([5, 6] if in_step == 6 else [3])
     assert sorted(os.listdir(tmp_path)) == (["checkpoint-6", "latest", "metrics.jsonl"] if save_steps
                                             else ["metrics.jsonl"])
+
+
+def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process():
+    """SLURM's SIGTERM reaches a rank, and the launcher's forwarded one a moment later: the run must go on to its
+    save. A SIGTERM after that (here 0.5 s; 5 s in runs) ends the process, as without the handler."""
+    script = ("import os, signal, time\n"
+              "from fsdp_recipes.distributed import SigtermNote, sigterm_noted\n"
+              "SigtermNote.SAME_STOP_S = 0.5\n"
+              "with sigterm_noted() as note:\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.1)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    print('noted', note.received, flush=True)\n"
+              "    time.sleep(1)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    print('not ended', flush=True)\n")
+    proc = run([sys.executable, "-c", script], expect_rc=-signal.SIGTERM)
+    assert proc.stdout == "noted True\n"
