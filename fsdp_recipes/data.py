@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import signal
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -372,7 +373,14 @@ def build_dataloader(dataset, cfg: TrainConfig, tokenizer, rank: int, world_size
         # Each iterator draws its workers' seed from this generator, not the global RNG, so that the dropout of
         # later steps does not depend on dataloader_num_workers, nor on where a resumed run started its epoch.
         generator=torch.Generator().manual_seed(cfg.seed),
+        worker_init_fn=ignore_sigterm,
     )
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """SLURM sends its SIGTERM to every process of the job, a rank's DataLoader workers too, which torch ends on a
+    SIGTERM not from their rank: the rank then failed on its dead worker before it could save. The rank stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: int = 0) -> Iterator[list[dict]]:
@@ -393,7 +401,7 @@ def optimizer_step_batches(loader: DataLoader, accumulation: int, start_step: in
             batches = list(loader.batch_sampler)[skip * accumulation:]
             epoch_loader = DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn,
                                       num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                                      generator=loader.generator)
+                                      generator=loader.generator, worker_init_fn=loader.worker_init_fn)
         epoch_batches = iter(epoch_loader)
         skip = 0
         step: list[dict] = []

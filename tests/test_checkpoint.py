@@ -1351,10 +1351,16 @@ def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
     return ranks
 
 
+def descendants(pid: int) -> list[int]:
+    children = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [d for child in children for d in [child, *descendants(child)]]
+
+
 def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bool, output_dir: Path
                             ) -> tuple[int, str]:
-    """Run the recipe on 2 processes under torchrun and send SIGTERM to torchrun if launcher_too (it forwards one to
-    each rank), and to `ranks`, once step 1 is in metrics.jsonl; return torchrun's exit code and output."""
+    """Run the recipe on 2 processes under torchrun and send SIGTERM to `ranks`, or with launcher_too to every process
+    of the run (torchrun forwards its own to each rank), once step 1 is in metrics.jsonl; return torchrun's exit code
+    and output."""
     logs = output_dir.parent / f"{output_dir.name}.log"
     with open(logs, "w") as log, subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RECIPE,
@@ -1364,20 +1370,22 @@ def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bo
             time.sleep(0.05)
         pids = worker_pids(launcher)
         # As SLURM signals the processes of a job step (in the order of their ids): torchrun's SIGTERM to each rank
-        # comes a moment after SLURM's own.
-        for pid in [launcher.pid] * launcher_too + [pids[rank] for rank in ranks]:
+        # comes a moment after SLURM's own, and the ranks' DataLoader workers get one too.
+        for pid in [launcher.pid, *descendants(launcher.pid)] if launcher_too else [pids[rank] for rank in ranks]:
             os.kill(pid, signal.SIGTERM)
         launcher.wait(timeout=300)
     return launcher.returncode, logs.read_text()
 
 
 @pytest.mark.parametrize("ranks, launcher_too", [((0, 1), False), ((1,), False), ((0, 1), True)],
-                         ids=["both_ranks", "rank_1", "as_slurm_torchrun_and_both_ranks"])
+                         ids=["both_ranks", "rank_1", "as_slurm_every_process"])
 def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, reference, tmp_path, ranks,
                                                                           launcher_too):
-    """SLURM signals every process of the job at once: torchrun then forwards its own SIGTERM to each rank too."""
+    """SLURM signals every process of the job at once: torchrun, which forwards its own SIGTERM to each rank, and the
+    ranks' DataLoader workers too."""
     # No checkpoint before the last step but the one the SIGTERM asks for.
-    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--resume_from_checkpoint", "auto")
+    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--resume_from_checkpoint", "auto",
+                       "--dataloader_num_workers", int(launcher_too))
     code, output = sigterm_after_first_log(args, ranks, launcher_too, tmp_path)
     assert code == 1, output  # torchrun's code for any failed rank, and for a SIGTERM of its own
     if launcher_too:
