@@ -1377,8 +1377,8 @@ def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bo
     return launcher.returncode, logs.read_text()
 
 
-@pytest.mark.parametrize("ranks, launcher_too", [((0, 1), False), ((1,), False), ((0, 1), True)],
-                         ids=["both_ranks", "rank_1", "as_slurm_every_process"])
+@pytest.mark.parametrize("ranks, launcher_too", [((1,), False), ((0, 1), True)],
+                         ids=["rank_1", "as_slurm_every_process"])
 def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, reference, tmp_path, ranks,
                                                                           launcher_too):
     """SLURM signals every process of the job at once: torchrun, which forwards its own SIGTERM to each rank, and the
@@ -1402,8 +1402,8 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     assert (tmp_path / "latest").read_text() == f"checkpoint-{step}" and not (tmp_path / "final").exists()
     assert validate_checkpoint(str(tmp_path / f"checkpoint-{step}"))["step"] == step
     assert max(losses(tmp_path)) == step
-    if ranks == (1,) or launcher_too:
-        return  # the checkpoint is the same kind as above; one resume is enough for the suite's time
+    if not launcher_too:
+        return  # the checkpoint is the same kind as below; one resume is enough for the suite's time
 
     resumed = torchrun(RECIPE, *args)
     assert f"resumed from {tmp_path / f'checkpoint-{step}'} at step {step}" in resumed.stdout
