@@ -283,8 +283,11 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     # A complete checkpoint without `latest` (removed, or a kill between the first rename and `latest`): which one
     # to continue is the user's choice, not a guess.
     steps = checkpoint_steps(out)
+    # Without checkpoints, previous holds final/ alone: a run without save_steps, whose weights are all there is.
     resume_one = (f"pass --resume_from_checkpoint {os.path.join(out, f'checkpoint-{steps[-1]}')} (the newest) or "
-                  f"another of them to continue, " if steps else "")
+                  f"another of them to continue, " if steps else
+                  f"to train its final/ further, start a run with --model_name_or_path {os.path.join(out, 'final')} "
+                  f"and another output_dir, or pass ")
     raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
                       f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
 
@@ -383,8 +386,28 @@ def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
         raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): pass one of its "
                               f"checkpoint-<step> folders{auto(path)}")
+    if os.path.isfile(os.path.join(path, "config.json")):  # final/ or a converted folder: the weights alone
+        raise CheckpointError(model_folder_advice(path, resuming))
     raise CheckpointError(f"{path} is not a checkpoint: it has no {STATE_NAME} "
                           f"(expected a checkpoint-<step> folder written by this project)")
+
+
+def model_folder_advice(path: str, resuming: bool) -> str:
+    """What to do with a Hugging Face model folder (a run's final/, a converted checkpoint) given as a checkpoint. A
+    run that saved no checkpoint (save_steps 0) leaves only final/, the natural guess for a resume."""
+    what = (f"{path} is a Hugging Face model folder (such as a run's final/), not a checkpoint: it holds the weights "
+            f"without the optimizer state and data position of a run")
+    if not resuming:
+        return f"{what}, and from_pretrained loads it as it is"
+    parent = os.path.dirname(os.path.abspath(path))
+    steps = checkpoint_steps(parent)
+    resume = (f"to continue its run, pass one of the checkpoints of {parent} ("
+              f"{', '.join(f'checkpoint-{step}' for step in steps)}) or --output_dir {parent} --resume_from_checkpoint "
+              f"auto; " if steps else "")
+    # The run's own output_dir refuses a fresh run (prepare_output_dir), and overwrite_output_dir would remove path.
+    elsewhere = f" and an output_dir other than {parent}" if previous_run(parent) else ""
+    return (f"{what}: {resume}to train these weights further, start a fresh run (without resume_from_checkpoint) "
+            f"with --model_name_or_path {path}{elsewhere}")
 
 
 def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")) -> dict:

@@ -869,8 +869,13 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
     assert snapshot(tmp_path) == before
     for name in ["checkpoint-4", "checkpoint-6"]:
         shutil.rmtree(tmp_path / name)
-    with pytest.raises(ConfigError, match="holds final of an earlier run: --overwrite_output_dir true"):
+    with pytest.raises(ConfigError) as error:
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
+    assert str(error.value) == (
+        f"resume_from_checkpoint auto: {tmp_path} has no `latest` file naming a checkpoint to resume, but holds final "
+        f"of an earlier run: to train its final/ further, start a run with --model_name_or_path {tmp_path}/final and "
+        f"another output_dir, or pass --overwrite_output_dir true to remove them and start over, or another "
+        f"output_dir")
     # A killed first save (.tmp), metrics or a wandb folder alone hold nothing to resume: a fresh run goes ahead.
     shutil.rmtree(tmp_path / "final")
     prepare_output_dir(config(tmp_path))
@@ -899,6 +904,36 @@ def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_
         "latest does not exist: pass --resume_from_checkpoint auto to resume from the checkpoint that output_dir's "
         "`latest` file names, or a checkpoint-<step> folder")
     assert sorted(os.listdir(run)) == [".run.lock", "checkpoint-6", "latest"]
+
+
+def test_a_model_folder_given_as_the_checkpoint_says_what_to_pass(tiny, tmp_path, one_process_group):
+    # A run without save_steps leaves final/ alone, the natural guess for a resume: the advice is to resume from a
+    # checkpoint where there is one, else to start a run from those weights, into an output_dir that accepts one.
+    run = tmp_path / "run"
+    shutil.copytree(tiny["model"], run / "final")
+    (run / "metrics.jsonl").write_text('{"step": 6}\n')
+    what = (f"{run}/final is a Hugging Face model folder (such as a run's final/), not a checkpoint: it holds the "
+            f"weights without the optimizer state and data position of a run")
+    train_further = (f"to train these weights further, start a fresh run (without resume_from_checkpoint) with "
+                     f"--model_name_or_path {run}/final and an output_dir other than {run}")
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(run, "--resume_from_checkpoint", run / "final"))
+    assert str(error.value) == f"{what}: {train_further}"
+    fake_checkpoint(run / "checkpoint-4")
+    fake_checkpoint(run / "checkpoint-6")
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(tmp_path / "new", "--resume_from_checkpoint", run / "final"))
+    assert str(error.value) == (
+        f"{what}: to continue its run, pass one of the checkpoints of {run} (checkpoint-4, checkpoint-6) or "
+        f"--output_dir {run} --resume_from_checkpoint auto; {train_further}")
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(str(run / "final"))  # the converter's check
+    assert str(error.value) == f"{what}, and from_pretrained loads it as it is"
+    # A model folder of its own (not in a run's output_dir) needs no other output_dir.
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(tmp_path / "new", "--resume_from_checkpoint", tiny["model"]))
+    assert str(error.value).endswith(f"with --model_name_or_path {tiny['model']}")
+    assert sorted(os.listdir(run)) == [".run.lock", "checkpoint-4", "checkpoint-6", "final", "metrics.jsonl"]
 
 
 def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, one_process_group):
