@@ -129,7 +129,7 @@ def worker(args) -> None:
         steps = packed_steps(args, args.steps, config.vocab_size)
 
         def train_step(micro_batches):
-            label_tokens, input_tokens, _ = step_token_counts(micro_batches)
+            label_tokens, input_tokens, *_ = step_token_counts(micro_batches)
             loss_sum, _ = forward_backward(model, micro_batches, label_tokens, env.world_size, env.device)
             clip_grad_norm(model, 1.0)
             optimizer.step()

@@ -145,7 +145,7 @@ def worker(args) -> None:
 
             def train_step(micro_batches):
                 # The body of trainer.train()'s loop, without logging.
-                label_tokens, _, _ = step_token_counts(micro_batches)
+                label_tokens, *_ = step_token_counts(micro_batches)
                 forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
                                  sync_every_micro_batch=not fewer_collectives)
                 clip_grad_norm(model, 1.0)
