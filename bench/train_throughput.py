@@ -262,6 +262,9 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from: {', '.join(VARIANTS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a round would run it twice, and its runs would pair with the wrong ones of the reference
+        raise SystemExit(f"variants named more than once: {twice}; name each once")
     # 2 processes split each step's micro-batches: an odd count would leave one out of theirs, not the reference's.
     if args.micro_batches % 2 and any(VARIANTS[n][0] == 2 for n in names):
         raise SystemExit(f"--micro_batches {args.micro_batches} does not split over 2 processes: pass an even count")

@@ -30,10 +30,14 @@ def test_throughput_benchmark_compares_variants_on_the_same_batches(tmp_path):
     assert "reference fp32 packed" in table and "FSDP2 fp32 packed" in table
 
 
-def test_an_odd_micro_batch_count_is_refused_for_two_processes():
+def test_an_odd_micro_batch_count_or_a_variant_named_twice_is_refused():
     proc = run([sys.executable, "bench/train_throughput.py", "--micro_batches", "3", "--variants", "FSDP2 fp32 packed"],
                expect_rc=1)
     assert "--micro_batches 3 does not split over 2 processes" in proc.stderr
+    proc = run([sys.executable, "bench/train_throughput.py", "--variants", "FSDP2 fp32 packed,reference fp32 packed,"
+                "FSDP2 fp32 packed"], expect_rc=1)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "variants named more than once: ['FSDP2 fp32 packed']; name each once")
 
 
 def test_packed_steps_have_their_rows_at_any_sequence_length():
