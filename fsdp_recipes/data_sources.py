@@ -220,7 +220,7 @@ def _load_file(name: str) -> datasets.Dataset:
         if builder == "csv":
             options = _csv_as_text(name)
         elif builder == "json":
-            options = {"chunksize": _data_size(name)}
+            options = {"chunksize": _json_chunksize(name)}
         return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
     except ConfigError:
         raise
@@ -230,8 +230,13 @@ def _load_file(name: str) -> datasets.Dataset:
         raise _parse_error(name, error) from error
 
 
-def _data_size(name: str) -> int:
-    """A data file's size in bytes, decompressed: the json reader's chunksize that reads the file in one piece.
+# pyarrow's JSON reader takes a piece of at most 2 GiB (an int32 block size); datasets adds the piece's last line.
+_JSON_PIECE_MAX = 1 << 30
+
+
+def _json_chunksize(name: str) -> int:
+    """The json reader's chunksize: the data file's size in bytes, decompressed, so that it is read in one piece; a
+    file over _JSON_PIECE_MAX in pieces of that size.
 
     datasets reads JSON lines in 10 MB pieces and takes the column types from the first piece: the values of a later
     piece are cast to them (a number 5 to '5', a list of content parts to its JSON text; under datasets 5, every
@@ -239,9 +244,12 @@ def _data_size(name: str) -> int:
     through the first piece, or a message key that first appears later (tool_calls), stops the load. Read in one
     piece, the types come from every row, and a row of another type is refused with its row number."""
     if not name.lower().endswith(_COMPRESSIONS):
-        return max(os.path.getsize(name), 1)
+        return min(max(os.path.getsize(name), 1), _JSON_PIECE_MAX)
     with fsspec.open(name, "rb", compression="infer") as f:
-        return max(sum(len(block) for block in iter(lambda: f.read(1 << 24), b"")), 1)
+        size = 0
+        while size <= _JSON_PIECE_MAX and (block := f.read(1 << 24)):  # no need to read further than the cap
+            size += len(block)
+    return min(max(size, 1), _JSON_PIECE_MAX)
 
 
 def _csv_as_text(name: str) -> dict:

@@ -9,6 +9,7 @@ import string
 import datasets
 import huggingface_hub
 import pyarrow
+import pyarrow.json
 import pyarrow.parquet
 import pytest
 import torch
@@ -18,7 +19,7 @@ from transformers import (AutoModelForCausalLM, BioGptConfig, BloomConfig, GPT2C
                           LlamaForCausalLM, Lfm2Config, OPTConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3MoeConfig)
 
-from fsdp_recipes import data as data_module, demo
+from fsdp_recipes import data as data_module, data_sources, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, check_model_reads_data,
                                check_packing_separates_examples, collate, model_inputs, optimizer_step_batches,
@@ -1035,6 +1036,21 @@ def test_json_lines_past_datasets_first_10_mb_keep_their_values_and_types(tmp_pa
         f.writelines(json.dumps(row) + "\n" for row in first_piece + late)
     rows = load_split(str(tmp_path / "late.jsonl.gz"), None, "train")
     assert (len(rows), rows[0], rows[-2], rows[-1]) == (112, first_piece[0], *late)
+
+
+def test_a_json_lines_file_over_2_gib_is_read_in_pieces_that_pyarrow_takes(tmp_path):
+    # pyarrow's JSON reader takes a piece of at most 2 GiB (an int32 block size): read in one piece, a 2.1 GB file
+    # that datasets' 10 MB pieces loaded stopped with "cannot parse <file>, value too large to convert to int32_t".
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(2**31 + 1)  # sparse: no disk taken, and only its size is read
+    assert data_sources._json_chunksize(str(big)) == 1 << 30
+    # datasets' block is the piece and the rest of its last line: well within pyarrow's int32.
+    assert pyarrow.json.ReadOptions(block_size=(1 << 30) + (1 << 29)).block_size == 3 << 29
+    with gzip.open(tmp_path / "small.jsonl.gz", "wb") as f:
+        f.write(b'{"text": "a"}\n' * 1000)
+    assert data_sources._json_chunksize(str(tmp_path / "small.jsonl.gz")) == 14_000
+
 
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
     write_multi_config_copy(tmp_path / "copy")
