@@ -348,23 +348,32 @@ def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
     try:
         return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:  # datasets names the features it cannot align, not the files that hold them
-        file, part = next(((file, part) for file, part in zip(files[1:], parts[1:]) if not _join(parts[0], part)),
-                          (files[-1], parts[-1]))
-        differ = "; ".join(f"'{column}' is {parts[0].features[column]} in {files[0]}, {part.features[column]} in {file}"
-                           for column in part.column_names if part.features[column] != parts[0].features[column])
+        differ = _type_conflict(files, parts)
         if "Json(" in differ:  # datasets 5 reads a column whose values have several types (5 among strings) as Json
             advice = ("the rows of one file hold values of several types in that column (read alone, as dataset_name, "
                       "the file's rows of another type are named): give them one type")
         raise ConfigError(f"the files of {folder} have columns of other types: {differ or error}: {advice}") from None
 
 
-def _join(first: datasets.Dataset, other: datasets.Dataset) -> bool:
-    """Whether concatenate_datasets joins the two (it aligns a column null in one with its type in the other)."""
-    try:
-        datasets.concatenate_datasets([first, other])
-    except ValueError:
-        return False
-    return True
+def _type_conflict(files: list[str], parts: list[datasets.Dataset]) -> str:
+    """The columns of the first file that cannot join the files before it, each with the earlier file whose type it
+    conflicts with. Joined one by one: concatenate_datasets aligns a column null in one file with its type in
+    another, so the conflict may be with any earlier file, not the first."""
+    joined = parts[0]
+    for k, (file, part) in enumerate(zip(files[1:], parts[1:]), 1):
+        try:
+            joined = datasets.concatenate_datasets([joined, part])
+        except ValueError:
+            return "; ".join(f"'{column}' is {joined.features[column]} in {_holder(column, joined, files[:k], parts)}, "
+                             f"{part.features[column]} in {file}"
+                             for column in part.column_names if part.features[column] != joined.features[column])
+    return ""
+
+
+def _holder(column: str, joined: datasets.Dataset, files: list[str], parts: list[datasets.Dataset]) -> str:
+    """The first of `files` whose `column` has the type it has in `joined`, the files joined."""
+    return next((file for file, part in zip(files, parts) if part.features[column] == joined.features[column]),
+                f"the files before it ({', '.join(files)})")
 
 
 def _load_from_disk(path: str) -> datasets.Dataset:

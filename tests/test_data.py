@@ -1188,7 +1188,8 @@ def bad_input_cases(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
     (tmp_path / "data_folder").mkdir()
     demo.write_jsonl(tmp_path / "data_folder" / "part.jsonl", ROWS)
-    for folder in ("bad_folder", "columns_folder", "types_folder", "mixed_folder", "text_folder", "empty_folder", "named_folder",
+    for folder in ("bad_folder", "columns_folder", "types_folder", "mixed_folder", "null_first_folder",
+                   "text_folder", "empty_folder", "named_folder",
                    "split_folder/train"):
         (tmp_path / folder).mkdir(parents=True)
     demo.write_jsonl(tmp_path / "named_folder" / "train.jsonl", ROWS)
@@ -1206,6 +1207,9 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "mixed_folder" / "a.jsonl", [{"text": "a"}])
     demo.write_jsonl(tmp_path / "mixed_folder" / "b.jsonl", [{"text": "a"}])
     demo.write_jsonl(tmp_path / "mixed_folder" / "c.jsonl", [{"text": "a"}, {"text": 5}])
+    # A column null in the first file takes the second file's type: the third conflicts with the second.
+    for name, value in [("a", None), ("b", 5), ("c", "x")]:
+        demo.write_jsonl(tmp_path / "null_first_folder" / f"{name}.jsonl", [{"text": "a", "tag": value}])
     demo.write_jsonl(tmp_path / "text_folder" / "a.jsonl", ROWS)
     (tmp_path / "text_folder" / "notes.txt").write_text("where the data came from\n")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
@@ -1252,6 +1256,9 @@ def bad_input_cases(tmp_path):
                                          r"give every file the same columns"),
         (cfg(tmp_path / "mixed_folder"), r"^the files of .*mixed_folder have columns of other types: 'text' is "
                                          r"Value\('string'\) in .*mixed_folder/a.jsonl, .* in .*mixed_folder/c.jsonl"),
+        (cfg(tmp_path / "null_first_folder"), r"^the files of .*null_first_folder have columns of other types: 'tag' "
+                                              r"is Value\('int64'\) in .*null_first_folder/b.jsonl, Value\('string'\) in "
+                                              r".*null_first_folder/c.jsonl: give every file"),
         (cfg(tmp_path / "text_folder"), r".*text_folder/notes.txt: unsupported file type in the data folder .*, "
                                         r"whose every file is read; use one of .json, .jsonl, .csv, .parquet \(or one "
                                         r"of them compressed: .gz, .bz2, .xz, .zst\), or move"),
