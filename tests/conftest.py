@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,6 +22,14 @@ import torch.distributed as dist
 from fsdp_recipes import demo
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_bench(name: str):
+    """The benchmark script bench/<name>.py as a module (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def subprocess_env(**extra: str) -> dict:

@@ -1,12 +1,11 @@
 """The checkpoint cost benchmark runs every phase on a tiny model and cleans up after itself."""
 
-import importlib.util
 import json
 import sys
 
 import torch
 
-from conftest import REPO, run
+from conftest import load_bench, run
 
 
 def test_checkpoint_benchmark_measures_every_phase(tmp_path):
@@ -23,12 +22,6 @@ def test_checkpoint_benchmark_measures_every_phase(tmp_path):
     assert list((tmp_path / "work").iterdir()) == []
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("checkpoint_bench", REPO / "bench" / "checkpoint_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_a_phase_counts_the_memory_it_reuses_from_an_earlier_phases_freed_tensors(one_process_group):
     """glibc keeps freed heap memory: a phase whose tensors reuse it must still count them (128 MiB here)."""
@@ -40,7 +33,7 @@ def test_a_phase_counts_the_memory_it_reuses_from_an_earlier_phases_freed_tensor
         kept.append(torch.ones(mib, dtype=torch.uint8))  # which cannot shrink past this one when they are freed
         del blocks
 
-    bench = load_bench()
+    bench = load_bench("checkpoint_bench")
     bench.measure_phase("allocate and free", allocate_and_free)
     reuse = bench.measure_phase("allocate again", lambda: kept.append(
         [torch.ones(4 * mib, dtype=torch.uint8) for _ in range(32)]))

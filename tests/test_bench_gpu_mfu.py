@@ -1,22 +1,15 @@
 """The GPU benchmark's whole path runs on the CPU with a tiny config: data, sharding, the step, FLOPs and the table."""
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 
 from transformers import LlamaConfig
 
-from conftest import REPO, run
+from conftest import load_bench, run
 from fsdp_recipes.flops import build_meta_model
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("gpu_mfu", REPO / "bench" / "gpu_mfu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gpu_benchmark_runs_a_local_config_with_and_without_activation_checkpointing(tmp_path):
@@ -59,7 +52,7 @@ def test_compiled_variant_compiles_every_row_it_times_in_the_warm_up(tmp_path):
     LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True).save_pretrained(tmp_path / "tiny")
     args = argparse.Namespace(seq_len=512, batch_size=1, accumulation=2)
-    rows = [mb for step in load_bench().packed_steps(args, 3, 512) for mb in step]
+    rows = [mb for step in load_bench("gpu_mfu").packed_steps(args, 3, 512) for mb in step]
     examples_per_row = [int((mb["position_ids"] == 0).sum()) for mb in rows]
     assert 1 in examples_per_row and max(examples_per_row) > 1
     assert len({mb["input_ids"].shape[1] for mb in rows}) > 2
@@ -77,11 +70,11 @@ def test_attention_lengths_of_packed_rows():
     rows = [{"input_ids": [9] * 8, "labels": [9] * 8, "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]},
             {"input_ids": [9] * 4, "labels": [9] * 4, "position_ids": [0, 1, 2, 3]}]
     batch = collate(rows, pad_token_id=0)
-    assert load_bench().attention_lengths([batch]) == (8.0, [3, 5, 4])
+    assert load_bench("gpu_mfu").attention_lengths([batch]) == (8.0, [3, 5, 4])
 
 
 def test_gpu_benchmark_shapes_are_llama_3_2_and_bad_variants_are_refused():
-    bench = load_bench()
+    bench = load_bench("gpu_mfu")
     for name, parameters in (("1B", 1_235_814_400), ("3B", 3_212_749_824)):  # Llama-3.2-1B's and 3B's counts
         model = build_meta_model(bench.model_config(name, 4096))
         assert sum(p.numel() for p in model.parameters()) == parameters

@@ -1,11 +1,10 @@
 """The CPU throughput benchmark runs, and every variant trains on the same batches (a tiny model, 1 timed step, 2 rounds)."""
 
-import importlib.util
 import json
 import re
 import sys
 
-from conftest import REPO, run
+from conftest import REPO, load_bench, run
 
 
 def test_throughput_benchmark_compares_variants_on_the_same_batches(tmp_path):
@@ -43,13 +42,8 @@ def test_an_odd_micro_batch_count_or_a_variant_named_twice_is_refused():
 def test_packed_steps_have_their_rows_at_any_sequence_length():
     """Examples keep their lengths as max_seq_length grows, so a packed row holds more of them: at 4096 about 30."""
     import argparse
-    import importlib.util
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("train_throughput", REPO / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("train_throughput")
     for length in (512, 4096):
         args = argparse.Namespace(warmup_steps=1, steps=2, micro_batches=4, pack_batch_size=1, pad_batch_size=4,
                                   max_seq_length=length, vocab_size=500, seed=0)
@@ -63,9 +57,7 @@ def test_packed_steps_have_their_rows_at_any_sequence_length():
 
 def test_readme_commands_run_each_variant_once():
     """The README's commands reproduce its table: between them every variant, each at the rounds its rows say."""
-    spec = importlib.util.spec_from_file_location("train_throughput", REPO / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("train_throughput")
     commands = re.findall(r'train_throughput\.py --repeats (\d+) --variants "([^"]+)"', (REPO / "README.md").read_text())
     named = [name for _, variants in commands for name in variants.split(",")]
     assert sorted(named) == sorted(bench.VARIANTS)
