@@ -14,6 +14,7 @@ import datasets
 import fsspec
 import pandas
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+from datasets.packaged_modules.json.json import Json
 from huggingface_hub import metadata_load
 
 from .config import ConfigError
@@ -121,7 +122,7 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
         dataset = _load_files_folder(name, split, instruction)
     else:
         try:
-            dataset = datasets.load_dataset(name, config_name, split=split)
+            dataset = _load_hub_data_set(name, config_name, split)
         except ValueError as error:
             if "Config name is missing" in str(error):  # datasets' words list the configs that exist
                 configs = next((line for line in str(error).splitlines() if "available configs" in line), "")
@@ -181,6 +182,14 @@ def _row_place(file: str, row: int) -> str:
         line, _ = next(itertools.islice(_csv_rows(file), row + 1, None))  # after the header
         return f"line {line}"
     return f"row {row + 1}"
+
+
+def _load_hub_data_set(name: str, config_name: Optional[str], split: str) -> datasets.Dataset:
+    """A Hub data set, or a local copy whose card names its configs. JSON lines are read in pieces of
+    _JSON_PIECE_MAX, not datasets' 10 MB, as a local file is (see _json_chunksize); their size is not known here."""
+    builder = datasets.load_dataset_builder(name, config_name)
+    options = {"chunksize": _JSON_PIECE_MAX} if isinstance(builder, Json) else {}
+    return datasets.load_dataset(name, config_name, split=split, **options)
 
 
 def _parse_split(name: str, split: str) -> datasets.ReadInstruction:

@@ -1036,6 +1036,12 @@ def test_json_lines_past_datasets_first_10_mb_keep_their_values_and_types(tmp_pa
         f.writelines(json.dumps(row) + "\n" for row in first_piece + late)
     rows = load_split(str(tmp_path / "late.jsonl.gz"), None, "train")
     assert (len(rows), rows[0], rows[-2], rows[-1]) == (112, first_piece[0], *late)
+    # A local copy of a Hub data set (its card names the config's files) goes through load_dataset(name, config).
+    (tmp_path / "copy" / "main").mkdir(parents=True)
+    shutil.copy(tmp_path / "parts.jsonl", tmp_path / "copy" / "main" / "train.jsonl")
+    (tmp_path / "copy" / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n---\n")
+    assert load_split(str(tmp_path / "copy"), "main", "train")[-1] == parts
 
 
 def test_a_json_lines_file_over_2_gib_is_read_in_pieces_that_pyarrow_takes(tmp_path):
