@@ -194,6 +194,15 @@ def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one
     assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
 
 
+@pytest.fixture
+def ctrl_c_interrupts():
+    """Python's Ctrl-C handler, which raises KeyboardInterrupt: a process started in the background by a shell
+    without job control (`cmd &`) inherits SIGINT ignored, and Python then installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def after_ctrl_c(method):
     """`method`, run after this process is sent a Ctrl-C (SIGINT): one that arrives in the middle of DCP's work."""
     def interrupted(self, *args, **kwargs):
@@ -202,7 +211,8 @@ def after_ctrl_c(method):
     return interrupted
 
 
-def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch):
+def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_process_group, monkeypatch,
+                                                            ctrl_c_interrupts):
     """DCP wraps every exception of a write, Ctrl-C's KeyboardInterrupt too: it was reported as a failed write
     ("make room"), exit 2 as for a config error."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
@@ -232,7 +242,8 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
                                      "another checkpoint")
 
 
-def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_path, one_process_group, monkeypatch):
+def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_path, one_process_group, monkeypatch,
+                                                                      ctrl_c_interrupts):
     """DCP wraps Ctrl-C's KeyboardInterrupt during a read too: it was reported as a damaged checkpoint file, with
     advice to resume from another checkpoint, exit 2 as for a config error."""
     checkpoint = small_checkpoint(tiny, tmp_path)
