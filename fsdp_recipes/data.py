@@ -209,8 +209,8 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
     """Refuse, before the first step, what would index past one of the model's tables: on a GPU that stops the run
     with a device-side assert on whichever rank draws such a batch, far from the cause. Token ids beyond the
     embedding table (a tokenizer with tokens the model lacks), in the data or as the padding; a max_seq_length
-    beyond a learned position table (GPT-2, BioGPT). Rotary positions have no table: beyond the context the model
-    was trained for (with its rope scaling) is a warning."""
+    beyond a learned position table (GPT-2, OPT, BioGPT). Rotary positions have no table: beyond the context the
+    model was trained for (with its rope scaling) is a warning."""
     num_embeddings = model.get_input_embeddings().num_embeddings
     resize = "or save the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"
     if tokenizer.pad_token_id is None:
@@ -227,15 +227,12 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
             raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
                               f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), "
                               f"{resize}")
-    config = model.config.get_text_config()
-    positions = getattr(config, "max_position_embeddings", None)
-    if not positions or max_seq_length <= positions:
-        return
-    context = rotary_context(config)
-    if context is None:
+    table = learned_position_table(model)
+    if table and max_seq_length > table:
         raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's learned position table "
-                          f"({positions} positions): set max_seq_length {positions} or less")
-    if max_seq_length > context:
+                          f"({table} positions): set max_seq_length {table} or less")
+    context = rotary_context(model.config.get_text_config())
+    if context and max_seq_length > context:
         print_rank0(f"warning: max_seq_length {max_seq_length} is longer than the {context} positions the model was "
                     f"trained for (max_position_embeddings, with its rope scaling): it has never seen the positions "
                     f"beyond; to extend its context, add rope scaling (e.g. YaRN) to its config.json")
@@ -293,6 +290,18 @@ def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device:
                           f"{packed_change:.3g}; {crossing_change:.3g} with attention across the boundary): its "
                           f"attention does not separate examples by position_ids, or its layers carry state across "
                           f"them. Set packing false")
+
+
+def learned_position_table(model: nn.Module) -> Optional[int]:
+    """The positions of the model's learned position table (GPT-2's, OPT's, BioGPT's): an embedding beside the
+    input embeddings with max_position_embeddings rows (OPT and BioGPT hold 2 more, an offset). None for positions
+    that are computed (rotary, ALiBi, XGLM's sinusoids, grown as needed) or absent (RWKV, Mamba)."""
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    inputs = model.get_input_embeddings()
+    if positions and any(isinstance(module, nn.Embedding) and module is not inputs
+                         and positions <= module.num_embeddings <= positions + 2 for module in model.modules()):
+        return positions
+    return None
 
 
 def rotary_context(config) -> Optional[int]:

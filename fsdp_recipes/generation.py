@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError, TrainConfig
-from .data import rotary_context
+from .data import learned_position_table
 from .distributed import run_on_rank0
 from .metrics import MetricsLogger
 
@@ -28,16 +29,14 @@ def prompt_text(tokenizer, prompt: str, use_chat_template: bool) -> str:
     return (tokenizer.bos_token or "") + prompt
 
 
-def check_generation_prompts(cfg: TrainConfig, tokenizer, model_config) -> None:
+def check_generation_prompts(cfg: TrainConfig, tokenizer, model: nn.Module) -> None:
     """Before the first step, what generation would fail on after the whole run: a prompt of no tokens (an empty
     prompt sent as plain text by a tokenizer without BOS: nothing to start from), or a prompt whose answer would run
-    past a learned position table (GPT-2's, BioGPT's; a device-side assert on a GPU). Rotary positions have no
-    table: transformers only warns there."""
+    past a learned position table (GPT-2's, OPT's, BioGPT's; a device-side assert on a GPU). Computed positions
+    (rotary, sinusoidal) have no table: transformers only warns there."""
     if not cfg.generation_prompts:
         return
-    config = model_config.get_text_config()
-    positions = getattr(config, "max_position_embeddings", None)
-    table = positions if positions and rotary_context(config) is None else None
+    table = learned_position_table(model)
     for i, prompt in enumerate(cfg.generation_prompts, 1):
         tokens = len(tokenizer(prompt_text(tokenizer, prompt, cfg.generation_use_chat_template),
                                add_special_tokens=False)["input_ids"])

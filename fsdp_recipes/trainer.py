@@ -225,7 +225,7 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
                           f"{recipes_dir}` updates the recipes there")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
-    check_generation_prompts(cfg, tokenizer, model.config)  # found now, not when final/ answers them after the run
+    check_generation_prompts(cfg, tokenizer, model)  # found now, not when final/ answers them after the run
     if cfg.packing:
         check_packing_separates_examples(model, cfg, env.device)
         if getattr(model.config, "output_router_logits", False):

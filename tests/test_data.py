@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, BioGptConfig, BloomConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Lfm2Config, OPTConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3MoeConfig)
+                          LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig, XGLMForCausalLM)
 
 from fsdp_recipes import data as data_module, data_sources, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -1480,6 +1480,22 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
         check_model_reads_data(gpt2, tokenizer, 17, data)
     assert str(error.value) == ("max_seq_length 17 is longer than the model's learned position table (16 "
                                 "positions): set max_seq_length 16 or less")
+    # OPT's table holds 2 rows more than max_position_embeddings (an offset): 16 positions all the same.
+    opt = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                   num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16))
+    with pytest.raises(ConfigError, match=r"^max_seq_length 17 is longer than the model's learned position table "
+                                          r"\(16 positions\)"):
+        check_model_reads_data(opt, tokenizer, 17, data)
+    with pytest.raises(IndexError):
+        opt(torch.zeros(1, 17, dtype=torch.long))
+    # Positions computed as needed (XGLM's sinusoids) or none at all (RWKV): any length, and they do run it.
+    xglm = XGLMForCausalLM(XGLMConfig(vocab_size=len(tokenizer), d_model=16, ffn_dim=32, num_layers=1,
+                                      attention_heads=2, max_position_embeddings=16))
+    rwkv = RwkvForCausalLM(RwkvConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2,
+                                      attention_hidden_size=16, intermediate_size=32, context_length=16))
+    for model in (xglm, rwkv):
+        check_model_reads_data(model, tokenizer, 64, data)
+        assert model(torch.zeros(1, 64, dtype=torch.long)).logits.shape == (1, 64, len(tokenizer))
     assert capsys.readouterr().out == ""
     # Rotary positions: beyond the trained context (with YaRN's factor 4, four times it) is a warning.
     yarn = Qwen2ForCausalLM(Qwen2Config(**tiny, rope_scaling={"rope_type": "yarn", "factor": 4.0,

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMHeadModel
+from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
+                          XGLMConfig, XGLMForCausalLM)
 
 from conftest import run
 from fsdp_recipes import demo
@@ -97,6 +98,32 @@ def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_be
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_prompt_past_computed_positions_is_answered_not_refused(tmp_path):
+    """XGLM's sinusoidal positions grow as needed and RWKV has none: max_position_embeddings is no limit there."""
+    tokenizer = demo.build_tokenizer()
+    torch.manual_seed(1)  # a model whose greedy answer is not EOS at once
+    xglm = XGLMForCausalLM(XGLMConfig(vocab_size=len(tokenizer), d_model=16, ffn_dim=32, num_layers=1,
+                                      attention_heads=2, max_position_embeddings=8,
+                                      pad_token_id=tokenizer.pad_token_id))
+    xglm.save_pretrained(tmp_path / "xglm")
+    tokenizer.save_pretrained(tmp_path / "xglm")
+    prompt = "reverse: abcdefghijkl"  # 22 tokens with BOS; 8 positions
+    cfg = parse_config(["--model_name_or_path", str(tmp_path / "xglm"), "--dataset_name", "d",
+                        "--generation_prompts", prompt, "--generation_max_new_tokens", "4"])
+    check_generation_prompts(cfg, tokenizer, xglm)
+    [sample] = generate_samples(str(tmp_path / "xglm"), [prompt], 4, False, torch.device("cpu"), "eager")
+    ids = tokenizer(tokenizer.bos_token + prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    output = xglm.eval().generate(ids, max_new_tokens=4, do_sample=False)  # eval: no dropout
+    assert ids.shape[1] == 22 and output.shape[1] == 22 + 4
+    assert sample["completion"] == tokenizer.decode(output[0, 22:], skip_special_tokens=True)
+    # OPT's positions are a table (2 rows of offset beside max_position_embeddings): refused there.
+    opt = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                   num_attention_heads=2, max_position_embeddings=8, word_embed_proj_dim=16))
+    with pytest.raises(ConfigError, match=r"takes 22 tokens as sent, .* the model's learned position table "
+                                          r"\(8 positions\): shorten the prompt\Z"):
+        check_generation_prompts(cfg, tokenizer, opt)
+
+
 def test_an_empty_plain_text_prompt_without_a_bos_token_is_refused(tiny, tmp_path):
     """Nothing to answer: generate() would fail on a prompt of no tokens after the whole run (Qwen's tokenizers
     have no BOS)."""
@@ -115,7 +142,7 @@ def test_an_empty_plain_text_prompt_without_a_bos_token_is_refused(tiny, tmp_pat
     def check(*prompts, chat_template):
         cfg = parse_config(["--model_name_or_path", str(folder), "--dataset_name", "d", "--generation_prompts",
                             *prompts, "--generation_use_chat_template", str(chat_template).lower()])
-        check_generation_prompts(cfg, tokenizer, model.config)
+        check_generation_prompts(cfg, tokenizer, model)
 
     with pytest.raises(ConfigError) as error:
         check("reverse: ab", "", chat_template=False)
