@@ -60,6 +60,31 @@ def _first_bad_json_line(path: str) -> Optional[str]:
     return None
 
 
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):  # an integer column takes a float: pyarrow makes it a double
+        return "a number"
+    return "a string" if isinstance(value, str) else "a list" if isinstance(value, list) else "an object"
+
+
+def _first_json_type_conflict(path: str) -> Optional[str]:
+    """'line N: ...' for the first line of a JSON-lines file whose field holds another kind of value (a number, a
+    string, a list) than an earlier line's, else None. Null goes with any kind."""
+    seen = {}
+    with _open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            row = json.loads(line) if line.strip() else {}
+            for key, value in (row.items() if isinstance(row, dict) else ()):
+                if value is None:
+                    continue
+                first_number, kind = seen.setdefault(key, (number, _json_kind(value)))
+                if _json_kind(value) != kind:
+                    return (f"line {number}: '{key}' is {_json_kind(value)}, and on line {first_number} {kind}: "
+                            f"give the field one type in every row")
+    return None
+
+
 def _first_line(path: str) -> str:
     """The first non-blank line of a text file ("" for none)."""
     with _open_text(path) as f:
@@ -79,7 +104,8 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
     """Name the file and, where it can be found, the line: datasets' own message names neither."""
     where = None
     if _file_type(path) == ".jsonl":
-        where = _first_bad_json_line(path)
+        # Every line parsing, a field's type changing on a line is what the readers failed on.
+        where = _first_bad_json_line(path) or _first_json_type_conflict(path)
     elif _file_type(path) == ".json":
         try:
             with _open_text(path) as f:
@@ -89,7 +115,8 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
             # file too (as Dataset.to_json writes them), whose bad line is another one. After a pretty-printed
             # array, the extra data are the error.
             lines_file = decode_error.msg == "Extra data" and _first_value_is_a_line(path)
-            where = _first_bad_json_line(path) if lines_file else f"line {decode_error.lineno}: {decode_error.msg}"
+            where = ((_first_bad_json_line(path) or _first_json_type_conflict(path)) if lines_file
+                     else f"line {decode_error.lineno}: {decode_error.msg}")
     if where is None:
         cause = error
         while cause.__cause__ is not None:

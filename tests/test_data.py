@@ -1221,6 +1221,10 @@ def bad_input_cases(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    # A blank line fails datasets' second reader, after the first failed on the type: each named only its own error.
+    for name in ("types_blank.jsonl", "types_blank.json"):
+        (tmp_path / name).write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": null, "completion": "c"}\n'
+                                     '{"prompt": 1, "completion": "d"}\n')
     (tmp_path / "latin1.csv").write_bytes("prompt,completion\ncaf\u00e9,x\n".encode("latin-1"))
     write_multi_config_copy(tmp_path / "copy")
     return [
@@ -1229,6 +1233,9 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "bad_lines.json"), r"cannot parse .*bad_lines.json, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "extra.json"), r"cannot parse .*extra.json, line 4: Extra data"),
         (cfg(tmp_path / "bad.csv"), r"cannot parse .*bad.csv, line 3: 3 fields, the header has 2"),
+        *[(cfg(tmp_path / name), rf"^cannot parse .*{name}, line 4: 'prompt' is a number, and on line 1 a string: "
+                                  r"give the field one type in every row$")
+          for name in ("types_blank.jsonl", "types_blank.json")],
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(f"{tmp_path}/ok.jsonl,"), r"^dataset_name '.*/ok.jsonl,' has an empty entry: name the data sets "
                                        r"separated by single commas$"),
