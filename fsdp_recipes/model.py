@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import jinja2
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
@@ -35,10 +36,26 @@ def load_tokenizer(cfg: TrainConfig):
     if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) - set(tokenizer.get_added_vocab()):
         raise ConfigError(f"the tokenizer loaded from {source} has no vocabulary (its {len(tokenizer)} tokens are "
                           f"all special): the folder lacks its files (tokenizer.json, or its tokenizer's own); {save}")
+    check_chat_template_parses(tokenizer, source)
     if tokenizer.pad_token is None:
         # Padding positions carry no loss and are masked out of attention, so any token will do.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_chat_template_parses(tokenizer, source: str) -> None:
+    """Refuse a chat template that is not valid Jinja (a chat_template.jinja cut short by a copy) at load: its first
+    use, on the first row of chat data or a generation prompt, would name a row or fail with jinja's traceback."""
+    if not tokenizer.chat_template:
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    except jinja2.TemplateSyntaxError as error:
+        raise ConfigError(f"the chat template of the tokenizer in {source} is not valid Jinja (its line "
+                          f"{error.lineno}: {error.message.rstrip('.')}; a file cut short in a copy ends so): fix or "
+                          f"restore its chat_template.jinja (or tokenizer_config.json's chat_template)") from None
+    except Exception:  # a valid template may refuse this one-message conversation: the data's rows are its test
+        return
 
 
 def export_dtype(cfg: TrainConfig) -> torch.dtype:

@@ -420,6 +420,28 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
         check(tmp_path / "run", "sft.py", None)
 
 
+def test_a_chat_template_that_is_not_valid_jinja_is_refused_at_load(tmp_path):
+    """A chat_template.jinja cut short by a copy was found on the first chat row, as that row's fault ("row 1: the
+    tokenizer's chat template refuses this conversation")."""
+    def load(folder):
+        return load_tokenizer(parse_config(["--model_name_or_path", str(folder), "--dataset_name", "d"]))
+
+    TOKENIZER.save_pretrained(tmp_path / "cut")
+    template = (tmp_path / "cut" / "chat_template.jinja").read_text()
+    assert load(tmp_path / "cut").chat_template == template
+    (tmp_path / "cut" / "chat_template.jinja").write_text(template[:len(template) // 2])
+    with pytest.raises(ConfigError, match=f"^the chat template of the tokenizer in {tmp_path}/cut is not valid Jinja "
+                                          r"\(its line 1: unexpected end of template, expected 'end of print "
+                                          r"statement'; a file cut short in a copy ends so\): fix or restore its "
+                                          r"chat_template.jinja \(or tokenizer_config.json's chat_template\)$"):
+        load(tmp_path / "cut")
+    # A valid template that refuses a conversation of one user message (it wants a system message first) loads.
+    TOKENIZER.save_pretrained(tmp_path / "strict")
+    (tmp_path / "strict" / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}" + template)
+    assert "raise_exception" in load(tmp_path / "strict").chat_template
+
+
 def test_a_model_folder_without_its_tokenizer_is_refused_with_what_to_do(tmp_path):
     def load(model_dir, tokenizer=None):
         return load_tokenizer(parse_config(["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
