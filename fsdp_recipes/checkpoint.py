@@ -685,7 +685,9 @@ def _rng_state() -> dict:
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    # A run that never touched CUDA (`accelerate launch --cpu` on a GPU machine) has no CUDA state to save: asking
+    # would start CUDA on GPU 0 in every rank.
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
@@ -695,7 +697,7 @@ def _set_rng_state(state: dict) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():  # as saved: not in a CPU run
         torch.cuda.set_rng_state(state["cuda"])
 
 
