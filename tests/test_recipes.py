@@ -33,7 +33,7 @@ from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
-from fsdp_recipes.new_recipe import OWN_END, OWN_START, split_recipe, sync_recipes
+from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, split_recipe, sync_recipes
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import check_packed_router_loss, forward_backward
@@ -284,11 +284,11 @@ def test_hf_trainer_weights_the_router_loss_gradient_accumulation_steps_times_mo
         torch.testing.assert_close(ours[name], hf[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_recipes_share_every_line_but_their_own():
-    """A fix to the shared part of llama_sft.py must reach every recipe (and `make new-recipe` copies it)."""
+def check_recipes_folder(recipes_dir: Path) -> list[str]:
+    """Each recipe in recipes_dir (a .py file with the markers, as --sync reads them: a helper module is none) has
+    llama_sft.py's shared part, and each YAML config in its configs/ only known keys. Returns the recipes' names."""
     _, head, _, tail = split_recipe((REPO / "recipes" / "llama_sft.py").read_text())
-    recipes = sorted((REPO / "recipes").glob("*.py"))
-    assert {recipe for recipe, *_ in FAMILIES.values()} <= {p.stem for p in recipes}
+    recipes = [path for path in sorted(recipes_dir.glob("*.py")) if is_recipe(path.read_text())]
     for path in recipes:
         text = path.read_text()
         _, recipe_head, own, recipe_tail = split_recipe(text)
@@ -296,12 +296,26 @@ def test_recipes_share_every_line_but_their_own():
             f"{path.name}'s shared part differs from llama_sft.py's: `python -m fsdp_recipes.new_recipe --sync` "
             "copies llama_sft.py's into every recipe")
         assert "MODEL_TYPES = " in own and len(text.splitlines()) <= 150
-    for config_yaml in (REPO / "recipes" / "configs").glob("*.yaml"):  # only known keys, real hub ids
-        if config_yaml.name == "sft.yaml":  # the generic recipe's: the model comes from the command line
-            continue
-        cfg = parse_config(["--config", str(config_yaml), "--dataset_name", "data.jsonl"])
-        assert "/" in cfg.model_name_or_path or config_yaml.name == "demo.yaml"
-    parse_config(["--config", "recipes/configs/sft.yaml", "--model_name_or_path", "m", "--dataset_name", "d"])
+    for config_yaml in sorted((recipes_dir / "configs").glob("*.yaml")):
+        # The model from the command line: sft.yaml names none, nor does a new recipe's until its hub id is set.
+        parse_config(["--config", str(config_yaml), "--model_name_or_path", "m", "--dataset_name", "d"])
+    return [path.stem for path in recipes]
+
+
+def test_recipes_share_every_line_but_their_own():
+    """A fix to the shared part of llama_sft.py must reach every recipe (and `make new-recipe` copies it)."""
+    assert {recipe for recipe, *_ in FAMILIES.values()} <= set(check_recipes_folder(REPO / "recipes"))
+    for _, config_yaml, *_ in FAMILIES.values():  # each family's YAML names its default model: a real hub id
+        assert "/" in yaml.safe_load((REPO / "recipes" / "configs" / f"{config_yaml}.yaml").read_text())[
+            "model_name_or_path"], config_yaml
+
+
+def test_a_new_recipe_and_a_helper_module_pass_the_identical_part_test(tmp_path):
+    """`make new-recipe` writes a recipe that passes the test above as it is written, before its hub id is set; a
+    helper module beside the recipes is no recipe, as for --sync."""
+    run(["make", "new-recipe", "MODEL=olmo2", f"RECIPES_DIR={tmp_path}", f"PYTHON={sys.executable}"])
+    (tmp_path / "helpers.py").write_text("STOP_WORDS = ()\n")
+    assert check_recipes_folder(tmp_path) == ["olmo2_sft"]
 
 
 def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path, capsys):
