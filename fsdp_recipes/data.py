@@ -85,8 +85,9 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
                 f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
                 f"having no label tokens, {len(kept)} kept")
     if reasoning_left_out:
-        print_rank0(f"warning: {what}: the chat template leaves out the reasoning_content of {reasoning_left_out} "
-                    f"assistant messages, which are trained without it; to train on reasoning, use a "
+        print_rank0(f"warning: {what}: the chat template leaves out the reasoning (reasoning_content, or a <think> "
+                    f"block in the content) of {reasoning_left_out} assistant messages, which are trained without it; "
+                    f"to train on reasoning, use a "
                     f"tokenizer_name_or_path whose chat template writes it (Qwen3's, into the last turn)")
     if len(kept) == 0:
         roles = sorted({m.get("role") for messages in raw["messages"] for m in messages}) if fmt == "chat" else []

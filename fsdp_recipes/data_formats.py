@@ -287,10 +287,19 @@ def turn_closing_token_id(tokenizer) -> Optional[int]:
                  if after_answer <= char_start < end and token in special), None)
 
 
+def _reasoning(message: dict) -> str:
+    """An assistant message's reasoning: its reasoning_content, else the <think> block of its content, which Qwen3's
+    template takes out of the content as it takes reasoning_content (and drops before the last user message)."""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"].strip()
+    content = message.get("content") or ""
+    return content.split("</think>")[0].split("<think>")[-1].strip() if "</think>" in content else ""
+
+
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,
                      row: int = 1) -> dict:
     """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `overlong` if it was cut;
-    `reasoning_left_out`: how many assistant messages' reasoning_content the chat template does not write.
+    `reasoning_left_out`: how many assistant messages' reasoning (see _reasoning) the chat template does not write.
 
     With completion_only_loss, loss is on assistant turns and completions (on every token of plain text);
     without it, on every token. `row`, the example's number in its split counting from 1, names it in errors.
@@ -325,7 +334,7 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     ]
     # Reasoning the template does not write (Llama's, Qwen2.5's; Qwen3's before the last user message) is trained
     # without: counted, so that the run says so.
-    reasoning = [(m.get("reasoning_content") or "").strip() for m in example.get("messages") or []
+    reasoning = [_reasoning(m) for m in example.get("messages") or []
                  if m.get("role") == "assistant"] if fmt == "chat" else []
     return {"input_ids": input_ids[:max_seq_length], "labels": labels[:max_seq_length],
             "overlong": len(input_ids) > max_seq_length,

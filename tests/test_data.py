@@ -885,10 +885,25 @@ def test_reasoning_a_template_does_not_write_is_counted_and_reported(tmp_path, c
     demo.write_jsonl(tmp_path / "r.jsonl", rows)
     train, _ = build_datasets(cfg(tmp_path / "r.jsonl"), TOKENIZER)  # its template writes no reasoning
     assert set(train.column_names) == {"input_ids", "labels"}
-    assert ("warning: " + str(tmp_path / "r.jsonl") + " [train]: the chat template leaves out the reasoning_content "
-            "of 6 assistant messages, which are trained without it; to train on reasoning, use a "
-            "tokenizer_name_or_path whose chat template writes it (Qwen3's, into the last turn)\n"
-            ) in capsys.readouterr().out
+    assert ("warning: " + str(tmp_path / "r.jsonl") + " [train]: the chat template leaves out the reasoning "
+            "(reasoning_content, or a <think> block in the content) of 6 assistant messages, which are trained without "
+            "it; to train on reasoning, use a tokenizer_name_or_path whose chat template writes it (Qwen3's, into the "
+            "last turn)\n") in capsys.readouterr().out
+
+
+def test_the_think_block_qwen3_drops_from_an_earlier_turns_content_is_counted_as_its_reasoning_content():
+    """Without completion_only_loss, Qwen3's template drops the <think> block of a turn before the last user message
+    from its content, as it drops a reasoning_content: both are counted, so that the run says so. The last turn's
+    it writes."""
+    tokenizer = char_tokenizer(QWEN3_TEMPLATE, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    for earlier in ({"content": "<think>swap</think>ba"}, {"content": "ba", "reasoning_content": "swap"}):
+        chat = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", **earlier},
+                             {"role": "user", "content": "cd"},
+                             {"role": "assistant", "content": "<think>flip</think>dc"}]}
+        out = tokenize_example(chat, "chat", tokenizer, 256, completion_only_loss=False)
+        text = tokenizer.decode(out["input_ids"])
+        assert "swap" not in text and "<|im_start|>assistant\n<think>\nflip\n</think>\n\ndc<|im_end|>" in text
+        assert out["reasoning_left_out"] == 1
 
 
 def test_the_default_chat_template_is_given_for_chat_data_only(tmp_path, capsys):
