@@ -375,7 +375,7 @@ def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
     """The files of one split of a data folder, one after the other. Files with other columns are an error
     (concatenate_datasets would fill each one's missing columns with None), and so are columns whose types cannot
     be joined."""
-    parts = [_load_file(file) for file in files]
+    parts = _same_widths([_load_file(file) for file in files])
     advice = "give every file the same columns, or put the files in folders of their own and list those in dataset_name"
     for file, part in zip(files[1:], parts[1:]):
         if sorted(part.column_names) != sorted(parts[0].column_names):
@@ -389,6 +389,29 @@ def _load_files(folder: str, files: list[str]) -> datasets.Dataset:
             advice = ("the rows of one file hold values of several types in that column (read alone, as dataset_name, "
                       "the file's rows of another type are named): give them one type")
         raise ConfigError(f"the files of {folder} have columns of other types: {differ or error}: {advice}") from None
+
+
+def _same_widths(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    """Where the files' types differ, each file with Arrow's large strings and lists (pandas 3 and Polars write Parquet
+    with them) cast to the plain ones that JSON and CSV files are read as: the same values, which
+    concatenate_datasets would not join. Files of one type stay as they are, without a copy into the cache."""
+    if all(part.features == parts[0].features for part in parts[1:]):
+        return parts
+    narrowed = [datasets.Features({column: _narrow(feature) for column, feature in part.features.items()})
+                for part in parts]
+    return [part if features == part.features else part.cast(features) for part, features in zip(parts, narrowed)]
+
+
+def _narrow(feature):
+    if isinstance(feature, dict):
+        return {key: _narrow(value) for key, value in feature.items()}
+    if isinstance(feature, datasets.LargeList):
+        return datasets.List(_narrow(feature.feature))
+    if isinstance(feature, datasets.List):
+        return datasets.List(_narrow(feature.feature), length=feature.length)
+    if isinstance(feature, datasets.Value) and feature.dtype in ("large_string", "large_binary"):
+        return datasets.Value(feature.dtype.removeprefix("large_"))
+    return feature
 
 
 def _type_conflict(files: list[str], parts: list[datasets.Dataset]) -> str:

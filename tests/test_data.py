@@ -1001,6 +1001,24 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
+def test_a_data_folder_joins_parquet_files_of_large_strings_and_lists_with_json_lines(tmp_path):
+    # pandas 3 writes a string column as large_string, Polars every string and list as large_string and large_list;
+    # JSON lines and CSV are read as string and list.
+    (tmp_path / "prompts").mkdir()
+    demo.write_jsonl(tmp_path / "prompts" / "a.jsonl", ROWS[:20])
+    large = pyarrow.schema([("prompt", pyarrow.large_string()), ("completion", pyarrow.large_string())])
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(ROWS[20:], schema=large), tmp_path / "prompts" / "b.parquet")
+    train, _ = build_datasets(cfg(tmp_path / "prompts"), TOKENIZER)
+    assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
+    (tmp_path / "chats").mkdir()
+    demo.write_jsonl(tmp_path / "chats" / "a.jsonl", [CHAT])
+    message = pyarrow.struct([("role", pyarrow.large_string()), ("content", pyarrow.large_string())])
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([CHAT], schema=pyarrow.schema(
+        [("messages", pyarrow.large_list(message))])), tmp_path / "chats" / "b.parquet")
+    train, _ = build_datasets(cfg(tmp_path / "chats"), TOKENIZER)
+    assert train["input_ids"] == [tokenize_example(CHAT, "chat", TOKENIZER, 64)["input_ids"]] * 2
+
+
 def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
     (tmp_path / "d.csv").write_text('prompt,completion\n"what is 7? ","007"\nsay none,None\nsay na,NA\n')
     assert list(load_split(str(tmp_path / "d.csv"), None, "train")) == [
