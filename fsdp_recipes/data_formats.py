@@ -126,7 +126,7 @@ def _check_nothing_left_out(messages: list[dict], tools: Optional[list], text: s
     trained without it. A user, system or tool message (Mistral's templates write the system message only when a
     user message ends the conversation), the tool calls of an assistant message or the text beside them (Llama 3's
     template drops that text), or the row's tools (a template without tool support drops them). Not the content of
-    other assistant messages: Qwen3's template drops an earlier turn's reasoning, which locating the turns refuses."""
+    other assistant messages: Qwen3's template drops an earlier turn's reasoning, which the run counts as left out."""
     checked = [i for i, m in enumerate(messages) if m["role"] != "assistant" or (m.get("tool_calls") and m["content"])]
     unseen = [i for i in checked if messages[i]["content"].strip() not in text]
     calls = [(i, j) for i, m in enumerate(messages) for j in range(len(m.get("tool_calls", [])))]
@@ -216,7 +216,7 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer, locate_turns: boo
             ends = (_turn_end_before_closing(text, turn, tokenizer),
                     _earlier_turn_end(text, turn, len(prompt)))
             end = next((end for end in ends if end is not None and len(prompt) < end
-                        and _holds(text[len(prompt):end], message, turn[len(prompt):])), None)
+                        and _holds(text[len(prompt):end], message)), None)
         if end is None:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
@@ -224,14 +224,12 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer, locate_turns: boo
     return text, spans
 
 
-def _holds(turn_text: str, message: dict, alone: str) -> bool:
-    """Whether the rendered `turn_text` holds the assistant message's content, the names of its tool calls and its
-    reasoning (`reasoning_content`) where the template writes it into the turn rendered `alone` (Qwen3's writes it
-    into the last turn, and drops it from turns before the last user message)."""
+def _holds(turn_text: str, message: dict) -> bool:
+    """Whether the rendered `turn_text` holds the assistant message's answer (its content after a <think> block) and
+    the names of its tool calls. Not its reasoning: Qwen3's template drops that (a reasoning_content, or the <think>
+    block of the content) from turns before the last user message; the run counts it as left out."""
     names = [call.get("function", call)["name"] for call in message.get("tool_calls", [])]
-    reasoning = message.get("reasoning_content", "").strip()
-    parts = [message["content"].strip(), *names, reasoning if reasoning in alone else ""]
-    return all(part in turn_text for part in parts)
+    return all(part in turn_text for part in [message["content"].split("</think>")[-1].strip(), *names])
 
 
 def _turn_end_before_closing(text: str, turn: str, tokenizer):

@@ -413,27 +413,30 @@ def test_qwen3_earlier_turns_are_located_without_the_think_block_of_the_last():
     second = first + "ba<|im_end|>\n" + first
     assert [(s, text[s:e]) for s, e in spans] == [(len(first), "ba<|im_end|>\n"),
                                                   (len(second), "<think>\n\n</think>\n\nba<|im_end|>\n")]
-    # An earlier turn with reasoning: the whole chat drops it, so that turn's content is not in the text.
+    # An earlier turn with reasoning, in its content or in its own field: the whole chat drops it (the template
+    # writes it into the last turn only), and the turn is trained on its answer as the chat renders it, the
+    # reasoning counted as left out.
     reasoning = {"messages": [{"role": "user", "content": "ab"},
                               {"role": "assistant", "content": "<think>\nswap\n</think>\n\nba"},
                               {"role": "user", "content": "cd"}, {"role": "assistant", "content": "dc"}]}
-    with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
-        render_with_loss_spans(reasoning, "chat", tokenizer)
-    # The same with the reasoning in its own field, which the template writes into the last turn only.
     separate = {"messages": [reasoning["messages"][0], {"role": "assistant", "content": "ba",
                                                         "reasoning_content": "swap"}, *reasoning["messages"][2:]]}
     text, spans = render_with_loss_spans({"messages": separate["messages"][:2]}, "chat", tokenizer)
     assert [text[s:e] for s, e in spans] == ["<think>\nswap\n</think>\n\nba<|im_end|>\n"]
-    with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
-        render_with_loss_spans(separate, "chat", tokenizer)
-    # As the error says, without completion_only_loss such a conversation trains on all of its text, as written.
     for chat in (reasoning, separate):
+        text, spans = render_with_loss_spans(chat, "chat", tokenizer)
+        assert text == tokenizer.apply_chat_template(chat["messages"], tokenize=False) and "swap" not in text
+        assert [text[s:e] for s, e in spans] == ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"]
+        out = tokenize_example(chat, "chat", tokenizer, 256)
+        assert tokenizer.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == "".join(
+            text[s:e] for s, e in spans)
+        assert out["reasoning_left_out"] == 1
+        # Without completion_only_loss: all of its text, as written.
         out = tokenize_example(chat, "chat", tokenizer, 256, completion_only_loss=False)
-        assert tokenizer.decode(out["input_ids"]) == tokenizer.apply_chat_template(chat["messages"], tokenize=False)
-        assert out["labels"][1:] == out["input_ids"][1:]
-    # Reasoning the template writes is not counted as left out; an earlier turn's, trained as written, is.
+        assert tokenizer.decode(out["input_ids"]) == text and out["labels"][1:] == out["input_ids"][1:]
+        assert out["reasoning_left_out"] == 1
+    # Reasoning the template writes is not counted as left out.
     assert tokenize_example({"messages": separate["messages"][:2]}, "chat", tokenizer, 256)["reasoning_left_out"] == 0
-    assert tokenize_example(separate, "chat", tokenizer, 256, completion_only_loss=False)["reasoning_left_out"] == 1
     # An earlier answer of newlines only: no tail of its turn holds more than a newline, so it is not located.
     blank = {"messages": [reasoning["messages"][0], {"role": "assistant", "content": "\n\n\n"},
                           *reasoning["messages"][2:]]}
