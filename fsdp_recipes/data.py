@@ -121,19 +121,23 @@ T = TypeVar("T")
 
 
 def on_rank0_first(build: Callable[[], T]) -> T:
-    """Rank 0 runs `build` (filling the datasets cache) while the others wait, then they run it from the cache.
+    """Rank 0 runs `build` (filling the datasets cache) while the others wait; then the first process of each other
+    node (LOCAL_RANK 0), which reads rank 0's cache where the nodes share it and fills its node's own where each node
+    has its own disk; then the other processes, from the cache. One tokenization per node, not per process, whatever
+    the cache's place.
 
     They wait on a gloo group of their own with a one-day timeout: tokenizing a large data set can take longer than
-    the default group's timeout, which is meant for training collectives. Every rank then waits there for the others
-    too: on a node whose datasets cache is on its own disk, each rank tokenizes again. If rank 0 fails, every rank
-    stops with its error instead of waiting or crashing in a collective.
+    the default group's timeout, which is meant for training collectives. If rank 0 fails, every rank stops with its
+    error instead of waiting or crashing in a collective; a process that fails later ends its launcher's run.
     """
     if dist.get_world_size() == 1:
         return build()
     result = run_on_rank0(build, "to build the data")
-    if dist.get_rank() != 0:
-        result = build()
-    dist.barrier(group=long_wait_group())
+    first_of_its_node = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    for nodes_first_turn in (True, False):
+        if dist.get_rank() != 0 and first_of_its_node == nodes_first_turn:
+            result = build()
+        dist.barrier(group=long_wait_group())
     return result
 
 

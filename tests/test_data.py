@@ -4,7 +4,10 @@ import gzip
 import json
 import re
 import shutil
+import socket
 import string
+import subprocess
+import sys
 
 import datasets
 import huggingface_hub
@@ -29,7 +32,7 @@ from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, ren
 from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.trainer import token_loss_sum
 
-from conftest import REPO, read_metrics, torchrun
+from conftest import REPO, read_metrics, subprocess_env, torchrun
 
 TOKENIZER = demo.build_tokenizer()
 
@@ -1481,6 +1484,27 @@ def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
     assert proc.stderr.count("ZeroDivisionError: division by zero") == 1
     assert "error: rank 0 failed to divide: ZeroDivisionError('division by zero')" in proc.stderr
     assert "exitcode  : 2" not in proc.stderr
+
+
+def test_each_node_builds_the_data_once_after_rank0(tmp_path):
+    """With a datasets cache on each node's own disk, every process of the other nodes tokenized again at once:
+    now the first process of each node builds (after rank 0), and its node's others read its cache."""
+    with socket.socket() as probe:  # a free port for the two launchers' static rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "builds.jsonl"
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                               str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), "tests/drivers/node_first.py", log], env=subprocess_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    builds = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda b: b["start"])
+    assert [(b["rank"], b["local_rank"]) for b in builds[:2]] == [(0, 0), (2, 0)]
+    assert sorted(b["rank"] for b in builds[2:]) == [1, 3]
+    # Each turn starts once the one before it has ended.
+    assert builds[0]["end"] <= builds[1]["start"] and builds[1]["end"] <= min(b["start"] for b in builds[2:])
 
 
 def test_bad_data_stops_every_rank_with_one_clear_line(tiny, tmp_path):
