@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -111,18 +112,33 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrain
     """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
     overrides, saved_values = model_config_overrides(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_name_or_path,
-            dtype=dtype,
-            attn_implementation=cfg.attn_implementation,
-            trust_remote_code=cfg.trust_remote_code,
-            **overrides,
-        )
+        with transformers_initialises_every_weight():
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model_name_or_path,
+                dtype=dtype,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=cfg.trust_remote_code,
+                **overrides,
+            )
     except OSError as error:  # a file the folder lacks (weights, the model code its auto_map names): one line
         raise ConfigError(model_load_error(cfg.model_name_or_path, error)) from error
     set_use_cache(model.config, False)  # the KV cache only costs memory in training
     model.config_for_export = saved_values  # see export.write_model_files
     return model
+
+
+@contextlib.contextmanager
+def transformers_initialises_every_weight():
+    """from_pretrained with accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING hidden. Under accelerate launch with
+    fsdp_cpu_ram_efficient_loading true (its default), transformers leaves the weights a checkpoint lacks (a new
+    lm_head) uninitialised on every rank but local rank 0, for accelerate to broadcast; the recipe's plan decides who
+    reads the weights instead: every rank (each then initialises them as rank 0 does), or rank 0 alone."""
+    saved = os.environ.pop("FSDP_CPU_RAM_EFFICIENT_LOADING", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = saved
 
 
 def set_use_cache(config, use_cache: bool) -> None:

@@ -6,9 +6,16 @@ process trains the unsharded reference on the same global batch (2 x 4 sequences
 """
 
 import json
+import os
+import shutil
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fsdp_recipes.config import parse_config
+from fsdp_recipes.model import load_model
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 
@@ -278,3 +285,24 @@ def test_hsdp_on_a_2x2_mesh_matches_and_shards_within_each_replica(runs, tiny, t
         assert "mesh 2 x 2" in ranks[0]["plan"]
         for kind in ["params", "grads", "optimizer_state"]:
             assert [rank[kind] for rank in ranks] == [reference["ranks"][0][kind] // 2] * 4  # measured: exact
+
+
+def test_every_rank_reading_the_weights_initialises_those_the_checkpoint_lacks(tiny, tmp_path, monkeypatch,
+                                                                              one_process_group):
+    """Under accelerate launch with its fsdp_cpu_ram_efficient_loading true (every shipped config, and accelerate's
+    default) and the recipe config's false, every rank reads the weights: transformers must still initialise a weight
+    the checkpoint lacks (here lm_head) on a rank other than local rank 0, as it does on rank 0."""
+    folder = tmp_path / "no_lm_head"
+    shutil.copytree(tiny["model"], folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = parse_config(["--model_name_or_path", str(folder), "--dataset_name", "x"])
+    torch.manual_seed(0)
+    expected = load_model(cfg).lm_head.weight
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    torch.manual_seed(0)
+    assert torch.equal(load_model(cfg).lm_head.weight, expected)
+    assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"  # left as accelerate set it
