@@ -78,6 +78,10 @@ class TrainConfig:
     packing: bool = field(
         default=False, metadata={"help": "Pack several examples per sequence; attention stays within each example."}
     )
+    dataset_num_proc: Optional[int] = field(
+        default=None, metadata={"help": "Processes that tokenize the data (rank 0's, then each node's first); "
+                                        "unset: one. The same tokens whatever the number."}
+    )
 
     # Optimisation.
     output_dir: str = field(default="outputs/run", metadata={"help": "Where metrics, checkpoints and final/ go."})
@@ -259,6 +263,8 @@ class TrainConfig:
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version}")
         if self.dp_replicate_size is not None and self.dp_replicate_size < 1:
             raise ConfigError(f"dp_replicate_size must be at least 1, got {self.dp_replicate_size}")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ConfigError(f"dataset_num_proc must be at least 1 or unset, got {self.dataset_num_proc}")
         if self.dataloader_num_workers < 0:
             raise ConfigError(f"dataloader_num_workers must be 0 or more, got {self.dataloader_num_workers}")
         if self.save_steps < 0:

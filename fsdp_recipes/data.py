@@ -66,6 +66,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
             tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
+            num_proc=cfg.dataset_num_proc,
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
                        "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH,
                        "source": (name, split)},
@@ -78,7 +79,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
     # The first token is never predicted, so a label there alone teaches nothing.
     kept = tokenized.filter(
         lambda labels, long: not (drop_overlong and long) and any(l != IGNORE_INDEX for l in labels[1:]),
-        input_columns=["labels", "overlong"], desc=f"Filtering {what}",
+        input_columns=["labels", "overlong"], desc=f"Filtering {what}", num_proc=cfg.dataset_num_proc,
     ).remove_columns(["overlong", "reasoning_left_out"])
     no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
     print_rank0(f"data: {what}: {len(raw)} examples ({fmt}), {overlong} longer than max_seq_length="

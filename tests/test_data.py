@@ -977,6 +977,23 @@ def cfg(dataset_name, **kw) -> TrainConfig:
 ROWS = [{"prompt": f"{'abcdefgh'[i % 8]}{i}", "completion": f" x{i}"} for i in range(40)]
 
 
+def test_tokenizing_in_several_processes_gives_the_same_examples_and_errors(tmp_path):
+    """dataset_num_proc splits the tokenization over processes: the same examples in the same order, and an error
+    in a later process's rows names that row and its line."""
+    rows = [CHAT if i % 3 else {"messages": [{"role": "user", "content": f"q{i}"},
+                                             {"role": "assistant", "content": "a" * (i % 90)}]} for i in range(60)]
+    demo.write_jsonl(tmp_path / "chats.jsonl", rows)
+    one = build_datasets(cfg(tmp_path / "chats.jsonl", eval_fraction=0.1), TOKENIZER)
+    three = build_datasets(cfg(tmp_path / "chats.jsonl", eval_fraction=0.1, dataset_num_proc=3), TOKENIZER)
+    for split_one, split_three in zip(one, three):
+        assert split_three.to_dict() == split_one.to_dict() and len(split_one) > 0
+    demo.write_jsonl(tmp_path / "bad.jsonl", rows[:55] + [{"messages": [{"role": "user"}]}] + rows[56:])
+    with pytest.raises(ConfigError, match=r"bad.jsonl \[train\]: row 56 \(line 56\): message 0 needs a string 'role'"):
+        build_datasets(cfg(tmp_path / "bad.jsonl", dataset_num_proc=3), TOKENIZER)
+    with pytest.raises(ConfigError, match="^dataset_num_proc must be at least 1 or unset, got 0$"):
+        cfg(tmp_path / "chats.jsonl", dataset_num_proc=0)
+
+
 def test_every_source_type_gives_the_same_examples(tmp_path):
     demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
     (tmp_path / "d.json").write_text(json.dumps(ROWS))
