@@ -180,7 +180,10 @@ def sync_recipes(recipes_dir: str) -> tuple[dict[str, str], list[str]]:
     the recipes that changed, each with the unified diff of what was replaced, and the .py files skipped as not
     recipes (no markers around an own block: a helper module)."""
     head, tail = shared_part()
-    updates, skipped = {}, []
+    if not os.path.isdir(recipes_dir):
+        raise SystemExit(f"error: --recipes_dir {recipes_dir}: no such folder ({os.path.abspath(recipes_dir)}): give "
+                         f"the folder that holds the recipes to sync")
+    updates, skipped, recipes = {}, [], 0
     # Every file is read and split before any is written: a file that fails leaves the folder as it was.
     for name in sorted(os.listdir(recipes_dir)):
         path = os.path.join(recipes_dir, name)
@@ -191,6 +194,7 @@ def sync_recipes(recipes_dir: str) -> tuple[dict[str, str], list[str]]:
         if not is_recipe(text):
             skipped.append(path)
             continue
+        recipes += 1
         try:
             doc, _, own, _ = split_recipe(text, path)
         except ValueError as e:
@@ -205,6 +209,10 @@ def sync_recipes(recipes_dir: str) -> tuple[dict[str, str], list[str]]:
         if synced != text:
             updates[path] = synced, "".join(difflib.unified_diff(
                 text.splitlines(keepends=True), synced.splitlines(keepends=True), path, f"{path} (synced)"))
+    if not recipes:  # a mistyped folder (its configs/, say) would otherwise sync nothing without a word
+        raise SystemExit(f"error: {recipes_dir} holds no recipe to sync (a .py file with the \"{OWN_START}\" and "
+                         f"\"{OWN_END}\" markers, as llama_sft.py has): give the folder of your recipes as "
+                         f"--recipes_dir")
     for path, (text, _) in updates.items():
         with open(path, "w") as f:
             f.write(text)
@@ -225,6 +233,8 @@ def main() -> None:
             print(f"skipped {path}: not a recipe (no \"{OWN_START}\" and \"{OWN_END}\" markers)")
         for diff in diffs.values():  # what the sync replaced, a user's edits to a shared part included
             print(diff, end="")
+        if not diffs:
+            print(f"every recipe in {args.recipes_dir} already has the shared part of {REFERENCE}")
         paths = list(diffs)
     else:
         paths = new_recipe(args.model_type, args.recipes_dir)

@@ -679,6 +679,27 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
     assert (tmp_path / "gemma_sft.py").read_text() == outdated
 
 
+def test_sync_of_a_folder_without_recipes_says_so_and_of_recipes_in_sync_says_that(tmp_path):
+    """A mistyped --recipes_dir (a missing folder, the recipes' configs/) synced nothing and printed nothing, exit 0,
+    as a folder whose recipes were already in sync did: each now says which it is."""
+    sync = [sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir"]
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "gemma2_sft.yaml").write_text("seed: 1\n")
+    (tmp_path / "configs" / "helpers.py").write_text("STOP_WORDS = ()\n")
+    proc = run([*sync, tmp_path / "nope"], expect_rc=1)
+    assert proc.stderr == (f"error: --recipes_dir {tmp_path}/nope: no such folder ({tmp_path}/nope): give the folder "
+                           f"that holds the recipes to sync\n")
+    proc = run([*sync, tmp_path / "configs"], expect_rc=1)
+    assert (proc.stdout, proc.stderr) == ("", f'error: {tmp_path}/configs holds no recipe to sync (a .py file with the '
+                                              f'"{OWN_START}" and "{OWN_END}" markers, as llama_sft.py has): give the '
+                                              f'folder of your recipes as --recipes_dir\n')
+    assert (tmp_path / "configs" / "helpers.py").read_text() == "STOP_WORDS = ()\n"
+    shutil.copy(REPO / "recipes" / "gemma_sft.py", tmp_path / "my_gemma.py")
+    proc = run([*sync, tmp_path])
+    assert proc.stdout == (f"every recipe in {tmp_path} already has the shared part of "
+                           f"{REPO}/recipes/llama_sft.py\n")
+
+
 def test_sync_splits_a_recipe_at_its_marker_lines_after_the_docstring(tmp_path):
     """The docstring may quote a marker, follow a shebang, or use '''; a layout that cannot be split, or whose synced
     text would not parse, stops the sync before any recipe is rewritten, with what to change."""
