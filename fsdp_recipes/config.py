@@ -335,6 +335,12 @@ class ConfigError(ValueError):
     """A config value the user must change; the message says which and how."""
 
 
+def looked_in(path: str) -> str:
+    """' in <working directory>' after a relative path that is not there: relative paths, in the YAML config as on the
+    command line, are read from the directory the run starts in (not the YAML config's), so the error names it."""
+    return "" if os.path.isabs(os.path.expanduser(path)) else f" in {os.getcwd()}"
+
+
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -442,7 +448,7 @@ def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
     except OSError as error:
-        raise ConfigError(f"cannot read --config {path}: {error.strerror}") from error
+        raise ConfigError(f"cannot read --config {path}: {error.strerror}{looked_in(path)}") from error
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path} is not UTF-8 text: {error.reason} at byte {error.start}") from error
     except yaml.YAMLError as error:

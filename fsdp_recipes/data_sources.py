@@ -17,7 +17,7 @@ from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patte
 from datasets.packaged_modules.json.json import Json
 from huggingface_hub import metadata_load
 
-from .config import ConfigError
+from .config import ConfigError, looked_in
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Compressions datasets' readers undo: data.jsonl.gz is read as data.jsonl.
@@ -133,7 +133,7 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     """
     instruction = _parse_split(name, split)
     if not os.path.exists(name) and (_file_type(name) in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
-        raise ConfigError(f"dataset_name {name}: no such file or folder")
+        raise ConfigError(f"dataset_name {name}: no such file or folder{looked_in(name)}")
     if config_name and (os.path.isfile(name) or _is_saved_folder(name) or _is_files_folder(name)):
         kind = ("file" if os.path.isfile(name) else "save_to_disk folder" if _is_saved_folder(name) else
                 "folder of data files without a dataset card (README.md) that names configs")

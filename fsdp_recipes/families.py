@@ -8,7 +8,7 @@ import re
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .config import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig, looked_in
 from .new_recipe import recipe_advice, recipes_training
 
 
@@ -60,8 +60,9 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     implementations the recipe allows for it (None: those of exact_attention, or any); `model_types` None (the
     generic recipe) takes every model type, with the attention implementations of exact_attention.
     """
-    if cfg.model_name_or_path.startswith(("/", ".", "~")) and not os.path.exists(cfg.model_name_or_path):
-        raise ConfigError(f"model_name_or_path {cfg.model_name_or_path}: no such folder")
+    name = cfg.model_name_or_path
+    if name.startswith(("/", ".", "~")) and not os.path.exists(name):
+        raise ConfigError(f"model_name_or_path {name}: no such folder{looked_in(name)}")
     if os.path.isdir(os.path.join(cfg.model_name_or_path, "model")) and os.path.isfile(
             os.path.join(cfg.model_name_or_path, "trainer_state.json")):
         path = cfg.model_name_or_path

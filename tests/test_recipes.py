@@ -30,6 +30,7 @@ from test_readme import readme_commands
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
+from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
@@ -778,6 +779,23 @@ def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
         assert proc.stderr == (f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {reference} (an "
                                "installed package holds no recipes): run new_recipe from a clone of the repository\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site-packages"]
+
+
+def test_a_relative_path_that_is_not_there_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch):
+    """A copied recipe started from another directory than its YAML's paths assume: relative paths are read from the
+    working directory, and each error says which one it was (it said only 'no such file or folder')."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"^cannot read --config configs/my_sft.yaml: No such file or directory in "
+                                          f"{tmp_path}$"):
+        parse_config(["--config", "configs/my_sft.yaml"])
+    with pytest.raises(ConfigError, match=f"^dataset_name data/train.jsonl: no such file or folder in {tmp_path}$"):
+        load_split("data/train.jsonl", None, "train")
+    cfg = parse_config(["--model_name_or_path", "./models/base", "--tokenizer_name_or_path", "./models/tok",
+                        "--dataset_name", "data/train.jsonl"])
+    with pytest.raises(ConfigError, match=f"^model_name_or_path ./models/base: no such folder in {tmp_path}$"):
+        check_model_type(cfg, {"llama": None}, "my_sft.py")
+    with pytest.raises(ConfigError, match=f"^tokenizer_name_or_path ./models/tok: no such folder in {tmp_path}$"):
+        load_tokenizer(cfg)
 
 
 def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
