@@ -472,8 +472,9 @@ def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
     return values
 
 
-def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
-    """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field."""
+def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig, recipe: Optional[str] = None):
+    """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field. `recipe`, the
+    running recipe's file: a run without --config is warned that its YAML configs were left out."""
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.error = _raise_config_error("the command line")
@@ -482,6 +483,8 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     if known.config and len(known.config) > 1:
         raise ConfigError(f"--config is given {len(known.config)} times ({', '.join(known.config)}): pass one YAML, "
                           f"and override its keys with --key value")
+    if recipe and not known.config and "-h" not in rest and "--help" not in rest:
+        _warn_without_a_config(recipe)
 
     # No abbreviations: --max_step must not silently mean --max_steps.
     parser = HfArgumentParser(config_cls, allow_abbrev=False)
@@ -509,6 +512,18 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig):
     set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
     check_keys_take_effect(cfg, set_keys, given | set(nulls))
     return cfg
+
+
+def _warn_without_a_config(recipe: str) -> None:
+    """A recipe run without --config takes the dataclass defaults, not its family's YAML (its model, learning rate,
+    sequence length, Qwen3-MoE's router loss): said once (by the launcher's first rank), not left to be found."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    configs = os.path.join(os.path.dirname(recipe), "configs")
+    own = os.path.join(configs, os.path.splitext(os.path.basename(recipe))[0] + ".yaml")
+    choice = f"--config {own}" if os.path.isfile(own) else f"--config with one of {configs}/*.yaml"
+    print(f"warning: no --config: this run takes the built-in defaults of every key it does not set (see --help), "
+          f"not a recipe YAML's; pass {choice} for the recipe's settings", flush=True)
 
 
 # Keys that do nothing unless another key turns their feature on: what each does, whether it is on, the keys that

@@ -40,7 +40,7 @@ MODEL_TYPES = {"qwen3": None}
 
 
 def main():
-    cfg = parse_config()
+    cfg = parse_config(recipe=__file__)  # no --config: a warning names the recipe's YAML
     check_wandb_credentials(cfg)  # a missing W&B API key stops the run now, not after loading the model
     check_model_type(cfg, MODEL_TYPES, __file__)
     plan = resolve_plan(cfg)

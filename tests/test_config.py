@@ -24,6 +24,25 @@ def test_yaml_gives_defaults_and_cli_overrides(tmp_path):
     assert cfg.report_to == "wandb"
 
 
+def test_a_recipe_run_without_a_config_is_warned_of_the_yaml_it_left_out(capsys, monkeypatch):
+    """Without --config a recipe takes the dataclass defaults: Qwen3-MoE's would train without its router loss,
+    every family at the built-in learning rate and sequence length. Said once, by rank 0."""
+    args = ["--model_name_or_path", "m", "--dataset_name", "d"]
+    cfg = parse_config(args, recipe="recipes/qwen3_moe_sft.py")
+    assert cfg.router_aux_loss_coef is None and cfg.max_seq_length == 1024
+    assert capsys.readouterr().out == (
+        "warning: no --config: this run takes the built-in defaults of every key it does not set (see --help), not a "
+        "recipe YAML's; pass --config recipes/configs/qwen3_moe_sft.yaml for the recipe's settings\n")
+    parse_config(args, recipe="recipes/gemma_sft.py")  # gemma2_sft.yaml and gemma3_sft.yaml: one per generation
+    assert capsys.readouterr().out.endswith("pass --config with one of recipes/configs/*.yaml for the recipe's "
+                                            "settings\n")
+    cfg = parse_config([*args, "--config", "recipes/configs/qwen3_moe_sft.yaml"], recipe="recipes/qwen3_moe_sft.py")
+    assert cfg.router_aux_loss_coef == 0.001 and capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "1")
+    parse_config(args, recipe="recipes/qwen3_moe_sft.py")
+    assert capsys.readouterr().out == ""
+
+
 def test_the_command_line_sets_a_key_back_to_null(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\neval_split: test\nsave_total_limit: 2\n"
                                     "save_steps: 10\nmixed_precision: bf16\nfsdp_offload_params: true\n"
