@@ -201,6 +201,12 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
     assert not (bin_dir / "srun.args").exists()
+    # Called from another directory: its copy finds none of the repository's paths.
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "sft_multinode.sbatch")], cwd=tmp_path,
+                          env=subprocess_env(**slurm), capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == (f"error: no slurm/launch_node.sh in {tmp_path}: call sbatch from the repository's root, "
+                           "or give it --chdir <root>\n")
+    assert not (bin_dir / "srun.args").exists()
     del slurm["SLURM_CPUS_PER_TASK"]  # the #SBATCH --cpus-per-task line removed
     proc = sbatch(expect_rc=1)
     assert "SLURM_CPUS_PER_TASK: keep the #SBATCH --cpus-per-task line" in proc.stderr
