@@ -1512,10 +1512,14 @@ def test_each_node_builds_the_data_once_after_rank0(tmp_path):
     log = tmp_path / "builds.jsonl"
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
                                str(node), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-                               str(port), "tests/drivers/node_first.py", log], env=subprocess_env(),
+                               str(port), "tests/drivers/node_first.py", log], cwd=REPO, env=subprocess_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for node in (0, 1)]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:  # a launcher still running (a timeout) stops its workers on SIGTERM, as conftest's run does
+        for node in nodes:
+            node.terminate()
     assert [node.returncode for node in nodes] == [0, 0], outputs
     builds = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda b: b["start"])
     assert [(b["rank"], b["local_rank"]) for b in builds[:2]] == [(0, 0), (2, 0)]
