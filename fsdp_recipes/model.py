@@ -52,9 +52,10 @@ def check_chat_template_parses(tokenizer, source: str) -> None:
     try:
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
     except jinja2.TemplateSyntaxError as error:
+        cut_short = "; a file cut short in a copy ends so" if "unexpected end of template" in error.message else ""
         raise ConfigError(f"the chat template of the tokenizer in {source} is not valid Jinja (its line "
-                          f"{error.lineno}: {error.message.rstrip('.')}; a file cut short in a copy ends so): fix or "
-                          f"restore its chat_template.jinja (or tokenizer_config.json's chat_template)") from None
+                          f"{error.lineno}: {error.message.rstrip('.')}{cut_short}): fix or restore its "
+                          f"chat_template.jinja (or tokenizer_config.json's chat_template)") from None
     except Exception:  # a valid template may refuse this one-message conversation: the data's rows are its test
         return
 

@@ -450,6 +450,9 @@ def test_a_chat_template_that_is_not_valid_jinja_is_refused_at_load(tmp_path):
                                           r"statement'; a file cut short in a copy ends so\): fix or restore its "
                                           r"chat_template.jinja \(or tokenizer_config.json's chat_template\)$"):
         load(tmp_path / "cut")
+    (tmp_path / "cut" / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
+    with pytest.raises(ConfigError, match=r"not valid Jinja \(its line 1: No filter named 'no_such_filter'\): fix"):
+        load(tmp_path / "cut")
     # A valid template that refuses a conversation of one user message (it wants a system message first) loads.
     TOKENIZER.save_pretrained(tmp_path / "strict")
     (tmp_path / "strict" / "chat_template.jinja").write_text(
