@@ -139,7 +139,7 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         # wrapper from the keys.
         checkpoint_layers(model)
     if plan.torch_compile:
-        compile_layers(model, layer_classes, plan)
+        compile_layers(model, layer_classes)
     mesh = build_mesh(plan, device)
     if plan.auto_wrap_policy == "SIZE_BASED_WRAP":
         # The same units for both engines; modules holding a tied parameter stay in the root.
@@ -222,7 +222,7 @@ def check_tied_parameters_share_a_unit(model: nn.Module, units: list[nn.Module])
                 f"which would shard it twice: leave {', '.join(wrapped)} out of the classes wrapped ({fix})")
 
 
-def compile_layers(model: nn.Module, layer_classes: tuple[type, ...], plan: ShardingPlan) -> None:
+def compile_layers(model: nn.Module, layer_classes: tuple[type, ...]) -> None:
     """torch.compile each decoder layer in place.
 
     After activation checkpointing: the layer inside the checkpoint wrapper is compiled (dynamo does not trace
