@@ -96,7 +96,7 @@ def check_master_dtype(model: nn.Module, plan: ShardingPlan) -> None:
                               f"{name} is {param.dtype}: load the model in {expected}")
 
 
-def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh | None:
+def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh:
     """2-D (replicate x shard) for HSDP and FSDP1 HYBRID_SHARD, 1-D over all ranks otherwise."""
     world = dist.get_world_size()
     hybrid = plan.sharding_strategy == "HYBRID_SHARD" if plan.fsdp_version == 1 else (plan.dp_replicate_size or 1) > 1
