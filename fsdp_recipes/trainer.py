@@ -115,7 +115,7 @@ def any_rank_received_sigterm(sigterm_received: bool) -> bool:
     return flag.item() > 0
 
 
-def stop_message(cfg: TrainConfig, step: int, checkpoint: str | None) -> str:
+def stop_message(step: int, checkpoint: str | None) -> str:
     if checkpoint is None:
         return (f"stopped by SIGTERM after step {step}: nothing saved, as this run saves no checkpoints "
                 f"(--save_steps 0; set it to make a stopped run resumable)")
@@ -355,4 +355,4 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
             evaluate_and_log(step)
     progress.close()
     if stopping or any_rank_received_sigterm(sigterm.received):
-        raise StoppedBySigterm(stop_message(cfg, step, checkpoint if cfg.save_steps else None))
+        raise StoppedBySigterm(stop_message(step, checkpoint if cfg.save_steps else None))
