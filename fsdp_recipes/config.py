@@ -114,10 +114,12 @@ class TrainConfig:
         default=None, metadata={"help": "1 (FullyShardedDataParallel) or 2 (fully_shard). Default: accelerate's, else 2."}
     )
     fsdp_sharding_strategy: Optional[Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]] = field(
-        default=None, metadata={"help": "FSDP1 only. Default: FULL_SHARD."}
+        default=None, metadata={"help": "FSDP1 only. Default: accelerate's, else FULL_SHARD."}
     )
     fsdp_reshard_after_forward: Optional[bool] = field(
-        default=None, metadata={"help": "FSDP2 only: free the gathered layer after forward (ZeRO-3). Default: true."}
+        default=None,
+        metadata={"help": "FSDP2 only: free the gathered layer after forward (ZeRO-3). Default: accelerate's, else "
+                          "true."},
     )
     dp_replicate_size: Optional[int] = field(
         default=None,
@@ -125,19 +127,28 @@ class TrainConfig:
                           "HYBRID_SHARD: default the number of nodes. Default: accelerate's parallelism_config, else 1."},
     )
     fsdp_auto_wrap_policy: Optional[Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"]] = field(
-        default=None, metadata={"help": "Which modules get their own FSDP unit. Default: TRANSFORMER_BASED_WRAP."}
+        default=None,
+        metadata={"help": "Which modules get their own FSDP unit. Default: accelerate's, else TRANSFORMER_BASED_WRAP."},
     )
     fsdp_transformer_layer_cls_to_wrap: Optional[str] = field(
-        default=None, metadata={"help": "Comma-separated layer classes; default: the model's _no_split_modules."}
+        default=None,
+        metadata={"help": "Comma-separated layer classes: the FSDP units (TRANSFORMER_BASED_WRAP), and what activation "
+                          "checkpointing and torch_compile apply to. Default: accelerate's, else the model's "
+                          "_no_split_modules, else its decoder layers (the one nn.ModuleList of num_hidden_layers "
+                          "modules of one class)."},
     )
     fsdp_min_num_params: Optional[int] = field(
         default=None, metadata={"help": "SIZE_BASED_WRAP: parameters per unit at least. Default: accelerate's, else 1e8."}
     )
     fsdp_offload_params: Optional[bool] = field(
-        default=None, metadata={"help": "Keep parameters, gradients and optimizer state on the CPU. Default: false."}
+        default=None,
+        metadata={"help": "Keep parameters, gradients and optimizer state on the CPU. Default: accelerate's, else "
+                          "false."},
     )
     fsdp_activation_checkpointing: Optional[bool] = field(
-        default=None, metadata={"help": "Recompute each decoder layer's activations in backward. Default: false."}
+        default=None,
+        metadata={"help": "Recompute each decoder layer's activations in backward. Default: accelerate's, else "
+                          "false."},
     )
     fsdp_cpu_ram_efficient_loading: Optional[bool] = field(
         default=None,

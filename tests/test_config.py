@@ -1,10 +1,14 @@
 """The config: YAML defaults, command-line overrides, and clear errors for every mistake."""
 
+import dataclasses
+import inspect
+import re
 import sys
 
 import pytest
 
-from fsdp_recipes.config import ConfigError, parse_config, shard_size_in_bytes
+from fsdp_recipes.config import ConfigError, TrainConfig, parse_config, shard_size_in_bytes
+from fsdp_recipes.plan import resolve_plan
 
 from conftest import run
 
@@ -281,3 +285,14 @@ def test_an_error_is_printed_before_the_process_group_is_torn_down():
               "run_main(main)\n")
     proc = run([sys.executable, "-c", script], expect_rc=1)
     assert proc.stderr.strip().splitlines()[-1] == "RuntimeError: boom" and "destroyed" not in proc.stdout
+
+
+def test_help_gives_the_accelerate_configs_value_as_the_default_of_each_key_it_can_set():
+    """Under accelerate launch, a sharding key the recipe config leaves unset takes the accelerate config's value
+    (resolve_plan's pick): --help says so for each of them, not only the value that applies without accelerate."""
+    from_accelerate = re.findall(r'pick\("(\w+)"', inspect.getsource(resolve_plan))
+    assert len(from_accelerate) == 11
+    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrainConfig)}
+    assert [key for key in from_accelerate if "Default: accelerate's" not in helps[key]] == []
+    # With neither config setting it, a model without _no_split_modules is wrapped by its decoder layers.
+    assert "else its decoder layers" in helps["fsdp_transformer_layer_cls_to_wrap"]
