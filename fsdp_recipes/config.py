@@ -170,7 +170,7 @@ class TrainConfig:
                                           "checkpoint you started from."}
     )
 
-    # Evaluation and sample generation (see README, "Evaluation" and "Sample generation").
+    # Evaluation and sample generation (see README, "Metrics, W&B and evaluation" and "Sample generation").
     eval_steps: int = field(
         default=0,
         metadata={"help": "Evaluate on the held-out split every N steps and at the end; 0: at the end only (when "
