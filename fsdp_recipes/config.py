@@ -453,8 +453,8 @@ def _raise_config_error(source: str):
     return error
 
 
-def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
-    field_names = [f.name for f in dataclasses.fields(config_cls)]
+def _read_yaml(path: str, parser: HfArgumentParser) -> dict:
+    field_names = [f.name for f in dataclasses.fields(TrainConfig)]
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
@@ -478,12 +478,12 @@ def _read_yaml(path: str, parser: HfArgumentParser, config_cls) -> dict:
             try:
                 values[key] = convert(value)
             except (ValueError, TypeError, argparse.ArgumentTypeError):
-                raise ConfigError(f"{key} in {path} must be {_describe(typing.get_type_hints(config_cls)[key])}, "
+                raise ConfigError(f"{key} in {path} must be {_describe(typing.get_type_hints(TrainConfig)[key])}, "
                                   f"got {value!r}") from None
     return values
 
 
-def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig, recipe: Optional[str] = None):
+def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None) -> TrainConfig:
     """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field. `recipe`, the
     running recipe's file: a run without --config is warned that its YAML configs were left out."""
     argv = sys.argv[1:] if argv is None else argv
@@ -498,17 +498,17 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig, recip
         _warn_without_a_config(recipe)
 
     # No abbreviations: --max_step must not silently mean --max_steps.
-    parser = HfArgumentParser(config_cls, allow_abbrev=False)
+    parser = HfArgumentParser(TrainConfig, allow_abbrev=False)
     parser.error = _raise_config_error("the command line")
     parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
     for action in parser._actions:
         if action.type is int:
             action.type = integer
-    field_names = [f.name for f in dataclasses.fields(config_cls)]
-    yaml_values = _read_yaml(known.config[0], parser, config_cls) if known.config else {}
+    field_names = [f.name for f in dataclasses.fields(TrainConfig)]
+    yaml_values = _read_yaml(known.config[0], parser) if known.config else {}
     parser.set_defaults(**yaml_values)
 
-    rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(config_cls).items()
+    rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(TrainConfig).items()
                                      if type(None) in typing.get_args(hint)})
     namespace, remaining = parser.parse_known_args(rest)
     for arg in remaining:
@@ -517,7 +517,7 @@ def parse_config(argv: Optional[list[str]] = None, config_cls=TrainConfig, recip
     if remaining:
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
     values = {**{k: v for k, v in vars(namespace).items() if k in field_names}, **nulls}
-    cfg = config_cls(**values)
+    cfg = TrainConfig(**values)
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
     # The values as given (__post_init__ fills some defaults in: per_device_eval_batch_size); null is left unset.
     set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
