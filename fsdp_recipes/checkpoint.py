@@ -468,7 +468,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     length; None to start from scratch.
 
     `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
-    Nothing is written or deleted here.
+    Nothing is deleted here, and nothing written but for the rename that puts back a checkpoint a killed re-save
+    left as .old (restore_replaced_checkpoint).
     """
     path = cfg.resume_from_checkpoint
     if not path:
