@@ -437,7 +437,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def integer(text) -> int:
-    """An int field's value: whole numbers in any notation (accelerate writes 1e8 for fsdp_min_num_params)."""
+    """An int field's value: whole numbers in any notation (1e8, as `accelerate config` shows fsdp_min_num_params'
+    default; its YAML holds 100000000)."""
     try:
         return int(text)
     except ValueError:
