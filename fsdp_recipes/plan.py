@@ -26,7 +26,7 @@ class ShardingPlan:
     reshard_after_forward: bool
     dp_replicate_size: Optional[int]  # None: FSDP1 HYBRID_SHARD uses the number of nodes, FSDP2 no replication
     auto_wrap_policy: str
-    layer_cls_names: Optional[list[str]]  # None: the model's _no_split_modules
+    layer_cls_names: Optional[list[str]]  # None: the model's _no_split_modules, else its decoder layers
     min_num_params: int
     offload_params: bool
     activation_checkpointing: bool
