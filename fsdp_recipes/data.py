@@ -181,9 +181,11 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         train = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
         eval_set = datasets.concatenate_datasets(eval_parts) if len(eval_parts) > 1 else (eval_parts or [None])[0]
         if cfg.packing:
-            # Shuffled first so that a pack mixes the data sets of a mixture instead of following file order.
+            # Shuffled first so that a pack mixes the data sets of a mixture instead of following file order. Packed
+            # through the shuffle's indices: flatten_indices would write a whole copy of the examples into the cache
+            # first, read in the same batches.
             n_examples = len(train)
-            train = train.shuffle(seed=cfg.seed).flatten_indices().map(
+            train = train.shuffle(seed=cfg.seed).map(
                 pack_examples, batched=True, batch_size=1000, fn_kwargs={"max_seq_length": cfg.max_seq_length},
                 remove_columns=train.column_names, desc="Packing",
             )

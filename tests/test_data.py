@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import re
 import shutil
 import socket
@@ -1230,6 +1231,26 @@ def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd, monke
     third, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
     assert "Tokenizing" in capfd.readouterr().err
     assert first.cache_files != third.cache_files and list(first["input_ids"]) == list(third["input_ids"])
+
+
+def test_packing_writes_only_the_packed_sequences_into_the_cache(tmp_path):
+    """The shuffled examples are packed through the shuffle's indices: flatten_indices first wrote a whole copy of
+    the training set into the cache (its size again on disk, and one more pass over it), read only by the packing."""
+    rows = [{"prompt": f"{'abcdefgh'[i % 8]}{i}", "completion": " x" * (i % 20)} for i in range(400)]
+    demo.write_jsonl(tmp_path / "d.jsonl", rows)
+    unpacked, _ = build_datasets(cfg(tmp_path / "d.jsonl"), TOKENIZER)
+    folder = os.path.dirname(unpacked.cache_files[0]["filename"])
+    before = set(os.listdir(folder))
+    packed, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
+    written = {name: datasets.Dataset.from_file(os.path.join(folder, name)).column_names
+               for name in set(os.listdir(folder)) - before if name.endswith(".arrow")}
+    packed_file = os.path.basename(packed.cache_files[0]["filename"])
+    # The packed table, and the shuffle's order (an index per example); no table of the examples themselves.
+    assert sorted(written.values()) == [["indices"], ["input_ids", "labels", "position_ids"]]
+    assert written[packed_file] == ["input_ids", "labels", "position_ids"]
+    assert len(packed) < len(unpacked)
+    expected = pack_examples(unpacked.shuffle(seed=42)[:], max_seq_length=64)  # seed: TrainConfig's default
+    assert [list(packed[key]) for key in expected] == list(expected.values())
 
 
 def bad_input_cases(tmp_path):
