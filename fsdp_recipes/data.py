@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
-from .data_sources import (carve_eval, load_sources, parse_column_mapping, parse_weights, per_source,
+from .data_sources import (cache_path, carve_eval, load_sources, parse_column_mapping, parse_weights, per_source,
                            row_origin, weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .sharding import reshard
@@ -69,7 +69,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
             num_proc=cfg.dataset_num_proc,
             fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
                        "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH,
-                       "source": (name, split)},
+                       "source": (cache_path(name), split)},  # any spelling of a path: one cache entry
         )
     except ConfigError as error:
         raise ConfigError(f"{what}: {error}") from None

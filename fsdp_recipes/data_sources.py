@@ -35,6 +35,14 @@ def _open_text(path: str):
     return fsspec.open(path, "rt", compression="infer", encoding="utf-8", newline="")
 
 
+def cache_path(name: str) -> str:
+    """A local file or folder as an absolute, normalised path, else `name` (a Hub id): what datasets is given, and
+    what keys the tokenization's cache. datasets keys its converted copy by the path as written, so data.jsonl,
+    ./data.jsonl, an absolute path and a run from another working directory would each convert and tokenize the
+    data again, and keep one more copy of it in the cache."""
+    return os.path.abspath(name) if os.path.exists(name) else name
+
+
 def _is_saved_folder(path: str) -> bool:
     return any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json"))
 
@@ -214,9 +222,9 @@ def _row_place(file: str, row: int) -> str:
 def _load_hub_data_set(name: str, config_name: Optional[str], split: str) -> datasets.Dataset:
     """A Hub data set, or a local copy whose card names its configs. JSON lines are read in pieces of
     _JSON_PIECE_MAX, not datasets' 10 MB, as a local file is (see _json_chunksize); their size is not known here."""
-    builder = datasets.load_dataset_builder(name, config_name)
+    builder = datasets.load_dataset_builder(cache_path(name), config_name)
     options = {"chunksize": _JSON_PIECE_MAX} if isinstance(builder, Json) else {}
-    return datasets.load_dataset(name, config_name, split=split, **options)
+    return datasets.load_dataset(cache_path(name), config_name, split=split, **options)
 
 
 def _parse_split(name: str, split: str) -> datasets.ReadInstruction:
@@ -257,7 +265,7 @@ def _load_file(name: str) -> datasets.Dataset:
             options = _csv_as_text(name)
         elif builder == "json":
             options = {"chunksize": _json_chunksize(name)}
-        return datasets.load_dataset(builder, data_files={"train": name}, split="train", **options)
+        return datasets.load_dataset(builder, data_files={"train": cache_path(name)}, split="train", **options)
     except ConfigError:
         raise
     except Exception as error:  # the json/csv/parquet readers raise many types, none naming the line
@@ -440,7 +448,7 @@ def _load_from_disk(path: str) -> datasets.Dataset:
     map the folder in place, and then every map and filter writes its cache files into the user's folder (and fails
     on a read-only one)."""
     with open(os.path.join(path, "state.json")) as f:
-        files = [os.path.join(path, entry["filename"]) for entry in json.load(f)["_data_files"]]
+        files = [cache_path(os.path.join(path, entry["filename"])) for entry in json.load(f)["_data_files"]]
     try:
         return datasets.load_dataset("arrow", data_files={"train": files}, split="train")
     except datasets.exceptions.DatasetGenerationError as error:

@@ -1272,6 +1272,29 @@ def test_packing_writes_only_the_packed_sequences_into_the_cache(tmp_path):
     assert [list(packed[key]) for key in expected] == list(expected.values())
 
 
+@pytest.mark.parametrize("kind", ["file", "saved folder"])
+def test_every_spelling_of_a_data_path_reads_the_same_cache(tmp_path, capfd, monkeypatch, kind):
+    """datasets keyed its converted copy by the path as written, and the tokenization was keyed by dataset_name:
+    ./d.jsonl, an absolute path, or a resume started from another directory converted and tokenized the data again
+    (hours for millions of rows) and kept one more copy of them in the cache."""
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    if kind == "saved folder":
+        datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "d"))
+    name = "d.jsonl" if kind == "file" else "d"
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    first, _ = build_datasets(cfg(name), TOKENIZER)
+    assert "Tokenizing" in capfd.readouterr().err
+    spellings = [(tmp_path, f"./{name}"), (tmp_path, str(tmp_path / name)), (tmp_path / "sub", f"../{name}"),
+                 (tmp_path / "sub", f"../sub/../{name}")]
+    for folder, spelling in spellings:
+        monkeypatch.chdir(folder)
+        again, _ = build_datasets(cfg(spelling), TOKENIZER)
+        err = capfd.readouterr().err
+        assert "Generating train split" not in err and "Tokenizing" not in err, spelling
+        assert again.cache_files == first.cache_files and list(again["input_ids"]) == list(first["input_ids"])
+
+
 def bad_input_cases(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"\n')
     (tmp_path / "bad.json").write_text('[{"text": "a"},\n {"text": }]\n')
