@@ -5,6 +5,7 @@ Sources and splits live in `data_sources`, formats and loss masks in `data_forma
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import os
@@ -46,6 +47,16 @@ def _tokenize_row(example: dict, index: int, data_code: str, source: tuple[str, 
         raise ConfigError(str(error).replace(f"{row}:", f"{row} ({origin}):", 1)) from None
 
 
+def _without_its_path(tokenizer):
+    """The tokenizer without the path it was loaded from (name_or_path), which datasets would hash into the
+    tokenization's cache key: the same tokenizer from ./model, from another directory or from a checkpoint's copy
+    gives the same tokens, and would tokenize the data again. A shallow copy: the tokenizer itself is unchanged."""
+    keyed = copy.copy(tokenizer)
+    keyed.name_or_path = ""
+    keyed.init_kwargs = {key: value for key, value in tokenizer.init_kwargs.items() if key != "name_or_path"}
+    return keyed
+
+
 def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, split: str
               ) -> tuple[datasets.Dataset, str]:
     """Tokenize the rows of `split` of the data set `name`, then drop or truncate overlong examples and drop those
@@ -67,7 +78,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
             num_proc=cfg.dataset_num_proc,
-            fn_kwargs={"fmt": fmt, "tokenizer": tokenizer, "max_seq_length": cfg.max_seq_length,
+            fn_kwargs={"fmt": fmt, "tokenizer": _without_its_path(tokenizer), "max_seq_length": cfg.max_seq_length,
                        "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH,
                        "source": (cache_path(name), split)},  # any spelling of a path: one cache entry
         )

@@ -19,9 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, BioGptConfig, BloomConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig, XGLMForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig,
+                          XGLMForCausalLM)
 
 from fsdp_recipes import data as data_module, data_sources, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -1293,6 +1294,26 @@ def test_every_spelling_of_a_data_path_reads_the_same_cache(tmp_path, capfd, mon
         err = capfd.readouterr().err
         assert "Generating train split" not in err and "Tokenizing" not in err, spelling
         assert again.cache_files == first.cache_files and list(again["input_ids"]) == list(first["input_ids"])
+
+
+def test_the_same_tokenizer_from_another_path_reads_the_same_cache(tmp_path, capfd, monkeypatch):
+    """datasets hashed the tokenizer with the path it was loaded from (name_or_path): the same tokenizer files in a
+    copy (a checkpoint's, as a resume with another tokenizer is told to use) or the same folder spelled otherwise
+    tokenized the data again. Another tokenizer still does."""
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    for folder in ("model", "copy"):
+        TOKENIZER.save_pretrained(tmp_path / folder)
+    monkeypatch.chdir(tmp_path)
+    first, _ = build_datasets(cfg(tmp_path / "d.jsonl"), AutoTokenizer.from_pretrained("model"))
+    assert "Tokenizing" in capfd.readouterr().err
+    for path in ("./model", str(tmp_path / "copy")):
+        again, _ = build_datasets(cfg(tmp_path / "d.jsonl"), AutoTokenizer.from_pretrained(path))
+        assert "Tokenizing" not in capfd.readouterr().err, path
+        assert again.cache_files == first.cache_files
+    other = AutoTokenizer.from_pretrained("copy")
+    other.add_tokens(["ab"])
+    build_datasets(cfg(tmp_path / "d.jsonl"), other)
+    assert "Tokenizing" in capfd.readouterr().err
 
 
 def bad_input_cases(tmp_path):
