@@ -34,6 +34,13 @@ from .sharding import reshard
 DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
                                          for name in ("data.py", "data_formats.py", "data_sources.py"))).hexdigest()
 
+# int32 token ids, labels and positions: half the cache of the int64 that Arrow infers from Python ints.
+TOKEN_LIST = datasets.List(datasets.Value("int32"))
+TOKENIZED_FEATURES = datasets.Features({
+    "input_ids": TOKEN_LIST, "labels": TOKEN_LIST, "has_labels": datasets.Value("bool"),
+    "overlong": datasets.Value("bool"), "reasoning_left_out": datasets.Value("int32")})
+PACKED_FEATURES = datasets.Features({"input_ids": TOKEN_LIST, "labels": TOKEN_LIST, "position_ids": TOKEN_LIST})
+
 
 def _tokenize_row(example: dict, index: int, data_code: str, source: tuple[str, str], **kwargs) -> dict:
     # map(with_indices=True) passes the row's index as the second positional argument; data_code only keys the cache.
@@ -77,24 +84,23 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
             tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         tokenized = raw.map(
             _tokenize_row, with_indices=True, remove_columns=raw.column_names, desc=f"Tokenizing {what}",
-            num_proc=cfg.dataset_num_proc,
+            num_proc=cfg.dataset_num_proc, features=TOKENIZED_FEATURES,
             fn_kwargs={"fmt": fmt, "tokenizer": _without_its_path(tokenizer), "max_seq_length": cfg.max_seq_length,
                        "completion_only_loss": cfg.completion_only_loss, "data_code": DATA_CODE_HASH,
                        "source": (cache_path(name), split)},  # any spelling of a path: one cache entry
         )
     except ConfigError as error:
         raise ConfigError(f"{what}: {error}") from None
-    # Summed by Arrow: a column read through datasets decodes every row into Python (seconds per 100k rows, on each
-    # rank, cache hit or not).
+    # Summed and filtered by Arrow: a column read through datasets decodes every row into Python (seconds per 100k
+    # rows, on each rank, cache hit or not).
     columns = tokenized.with_format("arrow")
     overlong = pc.sum(columns["overlong"]).as_py()
     reasoning_left_out = pc.sum(columns["reasoning_left_out"]).as_py()
     drop_overlong = cfg.overlong_examples == "drop"
-    # The first token is never predicted, so a label there alone teaches nothing.
-    kept = tokenized.filter(
-        lambda labels, long: not (drop_overlong and long) and any(l != IGNORE_INDEX for l in labels[1:]),
-        input_columns=["labels", "overlong"], desc=f"Filtering {what}", num_proc=cfg.dataset_num_proc,
-    ).remove_columns(["overlong", "reasoning_left_out"])
+    kept = columns.filter(
+        lambda has_labels, long: pc.and_(has_labels, pc.invert(long)) if drop_overlong else has_labels,
+        input_columns=["has_labels", "overlong"], batched=True, batch_size=100_000, desc=f"Filtering {what}",
+    ).remove_columns(["has_labels", "overlong", "reasoning_left_out"]).with_format(None)
     no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
     print_rank0(f"data: {what}: {len(raw)} examples ({fmt}), {overlong} longer than max_seq_length="
                 f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
@@ -201,7 +207,7 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
             n_examples = len(train)
             train = train.shuffle(seed=cfg.seed).map(
                 pack_examples, batched=True, batch_size=1000, fn_kwargs={"max_seq_length": cfg.max_seq_length},
-                remove_columns=train.column_names, desc="Packing",
+                remove_columns=train.column_names, desc="Packing", features=PACKED_FEATURES,
             )
             print_rank0(f"data: packed {n_examples} examples into {len(train)} sequences of at most "
                         f"{cfg.max_seq_length} tokens")

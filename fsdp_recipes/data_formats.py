@@ -296,8 +296,9 @@ def _reasoning(message: dict) -> str:
 
 def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, completion_only_loss: bool = True,
                      row: int = 1) -> dict:
-    """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `overlong` if it was cut;
-    `reasoning_left_out`: how many assistant messages' reasoning (see _reasoning) the chat template does not write.
+    """input_ids and labels (IGNORE_INDEX where no loss is taken), cut to max_seq_length; `has_labels` if a token
+    after the first carries loss; `overlong` if it was cut; `reasoning_left_out`: how many assistant messages'
+    reasoning (see _reasoning) the chat template does not write.
 
     With completion_only_loss, loss is on assistant turns and completions (on every token of plain text);
     without it, on every token. `row`, the example's number in its split counting from 1, names it in errors.
@@ -334,6 +335,9 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     # without: counted, so that the run says so.
     reasoning = [_reasoning(m) for m in example.get("messages") or []
                  if m.get("role") == "assistant"] if fmt == "chat" else []
-    return {"input_ids": input_ids[:max_seq_length], "labels": labels[:max_seq_length],
+    labels = labels[:max_seq_length]
+    return {"input_ids": input_ids[:max_seq_length], "labels": labels,
+            # The first token is never predicted, so a label there alone teaches nothing.
+            "has_labels": any(label != IGNORE_INDEX for label in labels[1:]),
             "overlong": len(input_ids) > max_seq_length,
             "reasoning_left_out": sum(1 for r in reasoning if r and r not in text)}

@@ -13,6 +13,7 @@ import sys
 import datasets
 import huggingface_hub
 import pyarrow
+import pyarrow.compute as pc
 import pyarrow.json
 import pyarrow.parquet
 import pytest
@@ -1251,6 +1252,20 @@ def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd, monke
     third, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
     assert "Tokenizing" in capfd.readouterr().err
     assert first.cache_files != third.cache_files and list(first["input_ids"]) == list(third["input_ids"])
+
+
+def test_the_cache_holds_token_ids_labels_and_positions_as_int32(tmp_path):
+    """Arrow typed the labels (and the packed positions) int64 from Python ints: twice the cache they need."""
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    int32_lists = datasets.List(datasets.Value("int32"))
+    for packing, columns in ((False, ["input_ids", "labels"]), (True, ["input_ids", "labels", "position_ids"])):
+        train, eval_set = build_datasets(cfg(tmp_path / "d.jsonl", packing=packing, eval_fraction=0.25), TOKENIZER)
+        assert train.features == datasets.Features({column: int32_lists for column in columns})
+        assert eval_set.features == datasets.Features({"input_ids": int32_lists, "labels": int32_lists})
+        stored = train.data  # the rows on disk, of which train may be a selection
+        tokens = pc.sum(pc.list_value_length(stored.column("input_ids"))).as_py()
+        # At most an int32 per token and an int32 offset per row, in each column.
+        assert stored.nbytes <= 4 * len(columns) * (tokens + stored.num_rows + 1)
 
 
 def test_packing_writes_only_the_packed_sequences_into_the_cache(tmp_path):
