@@ -65,6 +65,8 @@ def model_config(model: str, seq_len: int):
 
 def packed_steps(args, n_steps: int, vocab_size: int) -> list[list[dict]]:
     """n_steps optimizer steps of `accumulation` micro-batches of `batch_size` packed rows (pinned on a GPU)."""
+    import pyarrow as pa
+
     from fsdp_recipes.data import IGNORE_INDEX, collate, pack_examples
 
     rng = random.Random(0)
@@ -75,8 +77,7 @@ def packed_steps(args, n_steps: int, vocab_size: int) -> list[list[dict]]:
         example = [rng.randrange(8, vocab_size) for _ in range(min(prompt + completion, args.seq_len))]
         ids.append(example)
         labels.append([IGNORE_INDEX] * min(prompt, len(example) - 1) + example[min(prompt, len(example) - 1):])
-    packed = pack_examples({"input_ids": ids, "labels": labels}, args.seq_len)
-    rows = [dict(zip(packed, values)) for values in zip(*packed.values())][:rows_needed]
+    rows = pack_examples(pa.table({"input_ids": ids, "labels": labels}), args.seq_len).to_pylist()[:rows_needed]
     pin = torch.cuda.is_available()
     micro = [{k: v.pin_memory() if pin else v for k, v in collate(rows[i:i + args.batch_size], 0).items()}
              for i in range(0, rows_needed, args.batch_size)]

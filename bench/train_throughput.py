@@ -75,6 +75,8 @@ def instruction_examples(args, n: int) -> list[dict]:
 
 def optimizer_steps(args, data: str) -> list[list[dict]]:
     """warmup + timed steps, each a list of `micro_batches` collated micro-batches (all ranks' together)."""
+    import pyarrow as pa
+
     from fsdp_recipes.data import collate, pack_examples
 
     n_steps = args.warmup_steps + args.steps
@@ -82,8 +84,8 @@ def optimizer_steps(args, data: str) -> list[list[dict]]:
     # A packed row holds fewer than max_seq_length / 32 examples: their lengths do not grow with max_seq_length.
     examples = instruction_examples(args, rows_needed * (max(16, args.max_seq_length // 32) if data == "packed" else 1))
     if data == "packed":
-        packed = pack_examples({k: [ex[k] for ex in examples] for k in ("input_ids", "labels")}, args.max_seq_length)
-        rows, batch = [dict(zip(packed, values)) for values in zip(*packed.values())], args.pack_batch_size
+        rows = pack_examples(pa.Table.from_pylist(examples), args.max_seq_length).to_pylist()
+        batch = args.pack_batch_size
     else:
         rows, batch = examples, args.pad_batch_size
     if len(rows) < rows_needed:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
 import datasets
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
@@ -120,22 +122,31 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
     return kept, fmt
 
 
-def pack_examples(batch: dict[str, list], max_seq_length: int) -> dict[str, list]:
+def pack_examples(batch: pa.Table, max_seq_length: int) -> pa.Table:
     """Greedy packing in the given order: append examples to a sequence while they fit in max_seq_length.
 
     position_ids restart at 0 for each example, which is how transformers tells the examples apart (block-diagonal
     attention for sdpa/eager, varlen for flash attention). The first label of each example is masked: it would be
     predicted from the previous example's last token.
+
+    Arrow columns in and out: turning a batch into Python lists and back took most of the time (30 s per 100k
+    examples, against 1 s); only the examples' lengths are read in Python.
     """
-    packed = {"input_ids": [], "labels": [], "position_ids": []}
-    for input_ids, labels in zip(batch["input_ids"], batch["labels"]):
-        if not packed["input_ids"] or len(packed["input_ids"][-1]) + len(input_ids) > max_seq_length:
-            for key in packed:
-                packed[key].append([])
-        packed["input_ids"][-1].extend(input_ids)
-        packed["labels"][-1].extend([IGNORE_INDEX] + labels[1:])
-        packed["position_ids"][-1].extend(range(len(input_ids)))
-    return packed
+    lengths = pc.list_value_length(batch["input_ids"]).to_numpy(zero_copy_only=False)
+    first_of_sequence, used = [], max_seq_length
+    for i, length in enumerate(lengths.tolist()):
+        if used + length > max_seq_length:
+            first_of_sequence.append(i)
+            used = 0
+        used += length
+    example_starts = np.concatenate(([0], np.cumsum(lengths)))
+    labels = pc.list_flatten(batch["labels"]).to_numpy().copy()
+    labels[example_starts[:-1]] = IGNORE_INDEX
+    position_ids = np.arange(example_starts[-1]) - np.repeat(example_starts[:-1], lengths)
+    offsets = pa.array(example_starts[first_of_sequence + [len(lengths)]], pa.int32())
+    columns = {"input_ids": pc.list_flatten(batch["input_ids"]).combine_chunks(), "labels": labels,
+               "position_ids": position_ids}
+    return pa.table({key: pa.ListArray.from_arrays(offsets, values) for key, values in columns.items()})
 
 
 T = TypeVar("T")
@@ -205,10 +216,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
             # through the shuffle's indices: flatten_indices would write a whole copy of the examples into the cache
             # first, read in the same batches.
             n_examples = len(train)
-            train = train.shuffle(seed=cfg.seed).map(
+            train = train.shuffle(seed=cfg.seed).with_format("arrow").map(
                 pack_examples, batched=True, batch_size=1000, fn_kwargs={"max_seq_length": cfg.max_seq_length},
                 remove_columns=train.column_names, desc="Packing", features=PACKED_FEATURES,
-            )
+            ).with_format(None)
             print_rank0(f"data: packed {n_examples} examples into {len(train)} sequences of at most "
                         f"{cfg.max_seq_length} tokens")
         return train, eval_set

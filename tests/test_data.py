@@ -804,7 +804,7 @@ def test_collate_pads_to_the_longest_in_the_batch():
 
 def test_pack_restarts_positions_and_masks_the_first_label_of_each_example():
     examples = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}
-    packed = pack_examples(examples, max_seq_length=6)
+    packed = pack_examples(pyarrow.table(examples), max_seq_length=6).to_pydict()
     assert packed["input_ids"] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     assert packed["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
     assert packed["labels"] == [[-100, 2, 3, -100, 5], [-100, 7, 8, 9]]
@@ -824,7 +824,7 @@ def test_packed_logits_equal_each_example_alone(tiny, attn):
     gen = torch.Generator().manual_seed(0)
     lengths = [7, 12, 5]
     examples = [torch.randint(5, len(TOKENIZER), (n,), generator=gen).tolist() for n in lengths]
-    packed = pack_examples({"input_ids": examples, "labels": examples}, max_seq_length=20)
+    packed = pack_examples(pyarrow.table({"input_ids": examples, "labels": examples}), max_seq_length=20).to_pydict()
     assert [len(row) for row in packed["input_ids"]] == [19, 5]  # two rows: the second is padded
     batch = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], TOKENIZER.pad_token_id)
     with torch.no_grad():
@@ -1284,7 +1284,8 @@ def test_packing_writes_only_the_packed_sequences_into_the_cache(tmp_path):
     assert sorted(written.values()) == [["indices"], ["input_ids", "labels", "position_ids"]]
     assert written[packed_file] == ["input_ids", "labels", "position_ids"]
     assert len(packed) < len(unpacked)
-    expected = pack_examples(unpacked.shuffle(seed=42)[:], max_seq_length=64)  # seed: TrainConfig's default
+    # seed: TrainConfig's default
+    expected = pack_examples(unpacked.shuffle(seed=42).with_format("arrow")[:], max_seq_length=64).to_pydict()
     assert [list(packed[key]) for key in expected] == list(expected.values())
 
 

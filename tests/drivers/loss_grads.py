@@ -15,6 +15,7 @@ import json
 import random
 import sys
 
+import pyarrow as pa
 import torch
 
 from fsdp_recipes.config import parse_config
@@ -62,8 +63,7 @@ with distributed() as env:
     result = {"label_tokens": ref_tokens, "grad_scale": max(g.abs().max().item() for g in reference.values())}
     for k in (2, 4):
         result[f"accumulation_{k}"] = deviation(local_step(plain, micro_batches(examples, k))[0], reference)
-    packed = pack_examples({k: [ex[k] for ex in examples] for k in ("input_ids", "labels")}, max_seq_length=64)
-    packed_rows = [{k: v[i] for k, v in packed.items()} for i in range(len(packed["input_ids"]))]
+    packed_rows = pack_examples(pa.Table.from_pylist(examples), max_seq_length=64).to_pylist()
     result["packed_rows"] = len(packed_rows)
     result["packed"] = deviation(local_step(plain, [collate(packed_rows, pad)])[0], reference)
 
