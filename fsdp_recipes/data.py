@@ -248,8 +248,8 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
     """Refuse, before the first step, what would index past one of the model's tables: on a GPU that stops the run
     with a device-side assert on whichever rank draws such a batch, far from the cause. Token ids beyond the
     embedding table (a tokenizer with tokens the model lacks), in the data or as the padding; a max_seq_length
-    beyond a learned position table (GPT-2, OPT, BioGPT). Rotary positions have no table: beyond the context the
-    model was trained for (with its rope scaling) is a warning."""
+    beyond a position table (GPT-2's, OPT's, BioGPT's learned one, CTRL's fixed sinusoids). Rotary positions from
+    rope parameters have no table: beyond the context the model was trained for (with its rope scaling) is a warning."""
     num_embeddings = model.get_input_embeddings().num_embeddings
     resize = "or save the model with its embeddings resized to the tokenizer first (resize_token_embeddings)"
     if tokenizer.pad_token_id is None:
@@ -266,9 +266,9 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
             raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
                               f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), "
                               f"{resize}")
-    table = learned_position_table(model)
+    table = position_table(model)
     if table and max_seq_length > table:
-        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's learned position table "
+        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's position table "
                           f"({table} positions): set max_seq_length {table} or less")
     context = rotary_context(model.config.get_text_config())
     if context and max_seq_length > context:
@@ -331,15 +331,22 @@ def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device:
                           f"them. Set packing false")
 
 
-def learned_position_table(model: nn.Module) -> Optional[int]:
-    """The positions of the model's learned position table (GPT-2's, OPT's, BioGPT's): an embedding beside the
-    input embeddings with max_position_embeddings rows (OPT and BioGPT hold 2 more, an offset). None for positions
-    that are computed (rotary, ALiBi, XGLM's sinusoids, grown as needed) or absent (RWKV, Mamba)."""
+def position_table(model: nn.Module) -> Optional[int]:
+    """The positions of the model's position table, learned or fixed: an embedding beside the input embeddings
+    with max_position_embeddings rows (GPT-2's, OPT's and BioGPT's hold 2 more, an offset), or a buffer of as many
+    rows (CTRL's sinusoids, GPT-J's and CodeGen's rotary sines). None for positions that are computed (rotary,
+    ALiBi, sinusoids grown as needed: XGLM's) or absent (RWKV, Mamba)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if not positions:
+        return None
     inputs = model.get_input_embeddings()
-    if positions and any(isinstance(module, nn.Embedding) and module is not inputs
-                         and positions <= module.num_embeddings <= positions + 2 for module in model.modules()):
-        return positions
+    for module in model.modules():
+        tables = [module.num_embeddings] if isinstance(module, nn.Embedding) and module is not inputs else []
+        # make_weights: transformers' modules whose sinusoids grow to any length (XGLM, M2M100, Musicgen).
+        if not hasattr(module, "make_weights"):
+            tables += [buffer.shape[0] for buffer in module.buffers(recurse=False) if buffer.dim() == 2]
+        if any(positions <= rows <= positions + 2 for rows in tables):
+            return positions
     return None
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError, TrainConfig
-from .data import learned_position_table
+from .data import position_table
 from .distributed import run_on_rank0
 from .metrics import MetricsLogger
 
@@ -32,11 +32,11 @@ def prompt_text(tokenizer, prompt: str, use_chat_template: bool) -> str:
 def check_generation_prompts(cfg: TrainConfig, tokenizer, model: nn.Module) -> None:
     """Before the first step, what generation would fail on after the whole run: a prompt of no tokens (an empty
     prompt sent as plain text by a tokenizer without BOS: nothing to start from), or a prompt whose answer would run
-    past a learned position table (GPT-2's, OPT's, BioGPT's; a device-side assert on a GPU). Computed positions
+    past a position table (GPT-2's, OPT's, BioGPT's, CTRL's; a device-side assert on a GPU). Computed positions
     (rotary, sinusoidal) have no table: transformers only warns there."""
     if not cfg.generation_prompts:
         return
-    table = learned_position_table(model)
+    table = position_table(model)
     for i, prompt in enumerate(cfg.generation_prompts, 1):
         tokens = len(tokenizer(prompt_text(tokenizer, prompt, cfg.generation_use_chat_template),
                                add_special_tokens=False)["input_ids"])
@@ -47,7 +47,7 @@ def check_generation_prompts(cfg: TrainConfig, tokenizer, model: nn.Module) -> N
         if table and tokens + cfg.generation_max_new_tokens - 1 > table:
             raise ConfigError(f"generation_prompts: prompt {i} takes {tokens} tokens as sent, and with "
                               f"generation_max_new_tokens {cfg.generation_max_new_tokens} its answer would reach past "
-                              f"the model's learned position table ({table} positions): shorten the prompt"
+                              f"the model's position table ({table} positions): shorten the prompt"
                               + (f", or set generation_max_new_tokens {table + 1 - tokens} or less"
                                  if tokens <= table else ""))
 

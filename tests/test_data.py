@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig,
-                          XGLMForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, CTRLConfig, CTRLLMHeadModel,
+                          GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig, XGLMForCausalLM)
 
 from fsdp_recipes import data as data_module, data_sources, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -1666,16 +1666,30 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
     check_model_reads_data(gpt2, tokenizer, 16, data)
     with pytest.raises(ConfigError) as error:
         check_model_reads_data(gpt2, tokenizer, 17, data)
-    assert str(error.value) == ("max_seq_length 17 is longer than the model's learned position table (16 "
+    assert str(error.value) == ("max_seq_length 17 is longer than the model's position table (16 "
                                 "positions): set max_seq_length 16 or less")
     # OPT's table holds 2 rows more than max_position_embeddings (an offset): 16 positions all the same.
     opt = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
                                    num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16))
-    with pytest.raises(ConfigError, match=r"^max_seq_length 17 is longer than the model's learned position table "
+    with pytest.raises(ConfigError, match=r"^max_seq_length 17 is longer than the model's position table "
                                           r"\(16 positions\)"):
         check_model_reads_data(opt, tokenizer, 17, data)
     with pytest.raises(IndexError):
         opt(torch.zeros(1, 17, dtype=torch.long))
+    # Fixed tables in a buffer, not an embedding: CTRL's sinusoids, GPT-J's rotary sines (n_positions rows).
+    ctrl = CTRLLMHeadModel(CTRLConfig(vocab_size=len(tokenizer), n_embd=16, dff=32, n_layer=1, n_head=2,
+                                      n_positions=64))
+    gptj = GPTJForCausalLM(GPTJConfig(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, rotary_dim=4,
+                                      n_positions=64, bos_token_id=0, eos_token_id=0))
+    for model in (ctrl, gptj):
+        check_model_reads_data(model, tokenizer, 64, data)
+        assert model(torch.zeros(1, 64, dtype=torch.long)).logits.shape == (1, 64, len(tokenizer))
+        with pytest.raises(ConfigError) as error:
+            check_model_reads_data(model, tokenizer, 128, data)
+        assert str(error.value) == ("max_seq_length 128 is longer than the model's position table (64 positions): "
+                                    "set max_seq_length 64 or less")
+        with pytest.raises(IndexError, match="index 64 is out of bounds for dimension 0 with size 64"):
+            model(torch.zeros(1, 128, dtype=torch.long))
     # Positions computed as needed (XGLM's sinusoids) or none at all (RWKV): any length, and they do run it.
     xglm = XGLMForCausalLM(XGLMConfig(vocab_size=len(tokenizer), d_model=16, ffn_dim=32, num_layers=1,
                                       attention_heads=2, max_position_embeddings=16))

@@ -85,7 +85,7 @@ def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_be
     proc = run([sys.executable, *args, "--generation_max_new_tokens", "6"], expect_rc=2)
     assert proc.stderr.endswith(
         "error: generation_prompts: prompt 2 takes 20 tokens as sent, and with generation_max_new_tokens 6 its answer "
-        "would reach past the model's learned position table (24 positions): shorten the prompt, or set "
+        "would reach past the model's position table (24 positions): shorten the prompt, or set "
         "generation_max_new_tokens 5 or less\n")
     assert "training:" not in proc.stdout
     # 5 is what the table holds: the 5th answer token is predicted from its last position (23).
@@ -119,7 +119,7 @@ def test_a_prompt_past_computed_positions_is_answered_not_refused(tmp_path):
     # OPT's positions are a table (2 rows of offset beside max_position_embeddings): refused there.
     opt = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=16, ffn_dim=32, num_hidden_layers=1,
                                    num_attention_heads=2, max_position_embeddings=8, word_embed_proj_dim=16))
-    with pytest.raises(ConfigError, match=r"takes 22 tokens as sent, .* the model's learned position table "
+    with pytest.raises(ConfigError, match=r"takes 22 tokens as sent, .* the model's position table "
                                           r"\(8 positions\): shorten the prompt\Z"):
         check_generation_prompts(cfg, tokenizer, opt)
 
