@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
-from .data_sources import (cache_path, carve_eval, load_sources, parse_column_mapping, parse_weights, per_source,
-                           row_origin, weighted_sample)
+from .data_sources import (cache_path, carve_eval, folder_summary, load_sources, parse_column_mapping, parse_weights,
+                           per_source, row_origin, weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .sharding import reshard
 
@@ -197,6 +197,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     def build():
         sources = load_sources(names, config_names, splits, eval_splits,
                                parse_column_mapping(cfg.dataset_column_mapping))
+        for name in names:
+            summary = folder_summary(name)
+            if summary:  # which files of a folder were read, and which were taken for no data
+                print_rank0(f"data: {name}: {summary}")
         train_parts, eval_parts = [], []
         for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
                                                                            sources):

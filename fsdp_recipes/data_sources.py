@@ -14,6 +14,7 @@ import datasets
 import fsspec
 import pandas
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+from datasets.packaged_modules import _EXTENSION_TO_MODULE
 from datasets.packaged_modules.json.json import Json
 from huggingface_hub import metadata_load
 
@@ -22,6 +23,9 @@ from .config import ConfigError, looked_in
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Compressions datasets' readers undo: data.jsonl.gz is read as data.jsonl.
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+# The file types load_dataset takes a folder's files for data by (and zip archives, which it looks into). Harbor's
+# .md and .toml describe agent tasks (datasets 5): beside data files they are documentation, a LICENSE.md.
+_DATA_TYPES = {ext.lower() for ext, (module, _) in _EXTENSION_TO_MODULE.items() if module != "harbor"} | {".zip"}
 
 
 def _file_type(path: str) -> str:
@@ -353,10 +357,24 @@ def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruct
 
 def _folder_files(name: str) -> dict[str, list[str]]:
     """The files of each split of a folder of data files, in the order they are read."""
+    # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
+    return {splitname: [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
+            for splitname, split_files in _split_files(name).items()}
+
+
+def _split_files(name: str) -> dict[str, list[str]]:
+    """The data files of each split of a folder. Files that are no data by datasets' rules are left out, as
+    load_dataset leaves them: a dataset card, hidden files (.gitattributes), and files of no data type (a LICENSE,
+    a NOTICE); a file of a data type this project does not read (notes.txt) is an error."""
     try:
-        files = DataFilesDict.from_patterns(get_data_patterns(name), base_path=name)
+        found = DataFilesDict.from_patterns(get_data_patterns(name), base_path=name)
     except EmptyDatasetError:
-        raise ConfigError(f"{name} holds no data files (json, jsonl, csv or parquet)") from None
+        found = {}
+    files = {str(splitname): [file for file in split_files if _is_data(file)]
+             for splitname, split_files in found.items()}
+    files = {splitname: split_files for splitname, split_files in files.items() if split_files}
+    if not files:
+        raise ConfigError(f"{name} holds no data files (json, jsonl, csv or parquet)")
     for file in (file for split_files in files.values() for file in split_files):
         if _file_type(file) not in _FILE_BUILDERS:  # not left out: it may be data
             raise ConfigError(f"{file}: unsupported file type in the data folder {name}, whose every file is read; "
@@ -364,19 +382,45 @@ def _folder_files(name: str) -> dict[str, list[str]]:
                               f"{', '.join(_COMPRESSIONS)}), or move it out of the folder")
     # datasets' naming reads only the files of named splits: beside train.jsonl, a more.jsonl would be left out.
     # Only data files: a LICENSE beside train.jsonl and test.jsonl (a clone of a Hub data set's repository) is none.
-    in_splits = {file for split_files in files.values() for file in split_files}
-    left_out = [file for file in DataFilesDict.from_patterns({"train": ["**"]}, base_path=name)["train"]
-                if file not in in_splits and _file_type(file) in _FILE_BUILDERS]
+    left_out = [file for file in _not_in_splits(name, files) if _file_type(file) in _FILE_BUILDERS]
     if left_out:
         more = f" (and {len(left_out) - 1} more files)" if len(left_out) > 1 else ""
-        raise ConfigError(f"{left_out[0]}{more}: in none of the splits {list(map(str, files))} of the data folder "
+        raise ConfigError(f"{left_out[0]}{more}: in none of the splits {list(files)} of the data folder "
                           f"{name}, whose every file is read; datasets names a file's split by a folder name "
                           f"(train/, test/, validation/, ...), else by its file name (train*, test*, ...), and where "
                           f"none is named every file is train: rename it or move it into its split's folder, or move "
                           f"it out of the folder")
-    # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
-    return {str(splitname): [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
-            for splitname, split_files in files.items()}
+    return files
+
+
+def _is_data(path: str) -> bool:
+    """Whether load_dataset would take a folder's file for data: one of its suffixes is a data file type datasets
+    reads (data.jsonl.gz, notes.txt, a.tsv), where a LICENSE, a NOTICE or a script has none."""
+    return any(f".{suffix.lower()}" in _DATA_TYPES for suffix in os.path.basename(path).split(".")[1:])
+
+
+def _not_in_splits(name: str, files: dict[str, list[str]]) -> list[str]:
+    """The folder's files, as datasets' resolution lists them (no card, no hidden file), that no split holds."""
+    in_splits = {file for split_files in files.values() for file in split_files}
+    return [file for file in DataFilesDict.from_patterns({"train": ["**"]}, base_path=name)["train"]
+            if file not in in_splits]
+
+
+def folder_summary(name: str) -> Optional[str]:
+    """For a folder of data files, the files of each split and the files left out, relative to the folder: what the
+    run reads, for its log ('train: a.jsonl, b.jsonl; left out: LICENSE'). None for anything else."""
+    if not _is_files_folder(name):
+        return None
+    summary = "; ".join(f"{splitname}: {_file_names(name, split_files)}"
+                        for splitname, split_files in _folder_files(name).items())
+    left_out = _not_in_splits(name, _split_files(name))
+    return summary + (f"; left out: {_file_names(name, left_out)}" if left_out else "")
+
+
+def _file_names(folder: str, paths: list[str]) -> str:
+    """The files' paths in the folder, the first 3 and the last of a longer list (a thousand shards)."""
+    names = [os.path.relpath(path, folder) for path in paths]
+    return ", ".join(names) if len(names) <= 5 else f"{len(names)} files: {', '.join(names[:3])}, ..., {names[-1]}"
 
 
 def _load_files(folder: str, files: list[str]) -> datasets.Dataset:

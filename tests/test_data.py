@@ -1757,10 +1757,37 @@ def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
     assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing
 
 
-def test_a_data_folder_may_hold_files_that_are_no_data_beside_its_splits(tmp_path):
-    # A clone of a Hub data set's repository: its LICENSE is in no split, and no data either.
-    demo.write_jsonl(tmp_path / "train.jsonl", ROWS)
-    demo.write_jsonl(tmp_path / "test.jsonl", ROWS[:2])
-    (tmp_path / "LICENSE").write_text("MIT")
-    train, eval_set = build_datasets(cfg(tmp_path, eval_split="test"), TOKENIZER)
-    assert (len(train), len(eval_set)) == (len(ROWS), 2)
+# Beside the data of a clone of a Hub data set's repository, or a colleague's folder: no data by datasets' rules.
+NO_DATA = {"LICENSE": "MIT", "NOTICE": "Copyright", "LICENSE.md": "MIT", "README.md": "# Data\n",
+           ".gitattributes": "*.jsonl filter=lfs", "dataset_infos.json": '{"default": {}}'}
+
+
+@pytest.mark.parametrize("data_files", [("train.jsonl", "test.jsonl"), ("data_a.jsonl", "data_b.jsonl")])
+def test_a_data_folder_may_hold_files_that_are_no_data_beside_its_splits(tmp_path, capsys, data_files):
+    """Read as load_dataset reads the folder: its card, hidden files and files of no data type are no data, with or
+    without split names; the log names the files read and those left out."""
+    demo.write_jsonl(tmp_path / data_files[0], ROWS)
+    demo.write_jsonl(tmp_path / data_files[1], ROWS[:2])
+    for name, text in NO_DATA.items():
+        (tmp_path / name).write_text(text)
+    split_names = data_files[0] == "train.jsonl"
+    train, eval_set = build_datasets(cfg(tmp_path, eval_split="test" if split_names else None), TOKENIZER)
+    assert (len(train), eval_set and len(eval_set)) == ((len(ROWS), 2) if split_names else (len(ROWS) + 2, None))
+    assert datasets.load_dataset(str(tmp_path), split="train").num_rows == len(train)
+    splits = "train: train.jsonl; test: test.jsonl" if split_names else "train: data_a.jsonl, data_b.jsonl"
+    assert f"data: {tmp_path}: {splits}; left out: LICENSE, LICENSE.md, NOTICE\n" in capsys.readouterr().out
+
+
+def test_a_data_folder_of_no_data_files_or_of_an_unread_data_type_is_refused(tmp_path):
+    """A file of a data type load_dataset reads and this project does not (.txt, .tsv) may be data: an error, not
+    left out; a folder of nothing but files of no data type holds no data."""
+    for name, text in NO_DATA.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path))} holds no data files \\(json, jsonl, csv or "
+                                          f"parquet\\)$"):
+        load_split(str(tmp_path), None, "train")
+    demo.write_jsonl(tmp_path / "data_a.jsonl", ROWS)
+    (tmp_path / "data_b.tsv").write_text("prompt\tcompletion\na\tb\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'data_b.tsv'))}: unsupported file type in "
+                                          f"the data folder"):
+        load_split(str(tmp_path), None, "train")
