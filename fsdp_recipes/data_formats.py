@@ -208,20 +208,45 @@ def render_with_loss_spans(example: dict, fmt: str, tokenizer, locate_turns: boo
         else:  # no conversation renders empty: an opening assistant turn starts where a stand-in content does
             header = render([{**message, "content": _STAND_IN}])
             prompt = header[: header.index(_STAND_IN)] if _STAND_IN in header else None
-        if prompt is None or not text.startswith(prompt):
+        if prompt is None:
+            start = None
+        else:
+            start = len(prompt) if text.startswith(prompt) else _prompt_end(text, prompt, spans)
+        if start is None:
             end = None
         elif text.startswith(turn):
             end = len(turn)
         else:  # the first of these ends whose turn holds the whole assistant message
             ends = (_turn_end_before_closing(text, turn, tokenizer),
-                    _earlier_turn_end(text, turn, len(prompt)))
-            end = next((end for end in ends if end is not None and len(prompt) < end
-                        and _holds(text[len(prompt):end], message)), None)
+                    _earlier_turn_end(text, turn, start))
+            end = next((end for end in ends if end is not None and start < end
+                        and _holds(text[start:end], message)), None)
         if end is None:
             raise ConfigError("the tokenizer's chat template renders a conversation differently from its prefixes, "
                               "so assistant turns cannot be located: set completion_only_loss false")
-        spans.append((len(prompt), end))
+        spans.append((start, end))
     return text, spans
+
+
+def _prompt_end(text: str, prompt: str, spans: list[tuple[int, int]]):
+    """Where `prompt`, a turn's generation prompt, ends in `text`, the whole conversation's, when the two render
+    earlier assistant turns differently; None if they differ elsewhere. Qwen3 writes a <think> block into an assistant
+    turn after the last user message (an empty one into the last message), so the prompt after a tool result or an
+    answer holds blocks that the whole chat drops: from turns before a later user message, and from an answer without
+    reasoning that is not the last message. `spans`, the earlier turns located in `text`: the prompt must hold the text
+    between them as it is, each of them (after what the prompt writes there and the whole chat does not: that block),
+    and after the last of them what `text` holds there."""
+    position, previous_end = 0, 0
+    for start, end in spans:
+        between = text[previous_end:start]
+        if not prompt.startswith(between, position):
+            return None
+        found = prompt.find(text[start:end], position + len(between))
+        if found == -1:
+            return None
+        position, previous_end = found + end - start, end
+    tail = prompt[position:]  # the messages after the last earlier turn and the generation prompt
+    return previous_end + len(tail) if spans and text.startswith(tail, previous_end) else None
 
 
 def _holds(turn_text: str, message: dict) -> bool:

@@ -673,6 +673,60 @@ def test_tool_calls_and_answers_are_learnt_with_the_tools_and_results_in_the_pro
         assert tokenize_example(empty, "chat", tokenizer, 1024) == out
 
 
+def test_qwen3_answers_after_the_last_user_message_and_earlier_calls_with_reasoning_are_trained_as_the_chat_writes_them():
+    """Qwen3's generation prompt writes the assistant turns since the last user message with a <think> block (their
+    reasoning, an empty one into the message just before the prompt), which the whole chat drops from a turn before a
+    later user message, and from an answer without reasoning that another follows: the prompt of a later turn differs
+    from the whole chat there. Each turn is trained on what the whole chat writes of it."""
+    tokenizer = char_tokenizer(QWEN3_TEMPLATE, None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    user, result = TOOL_CHAT["messages"][0], TOOL_CHAT["messages"][2]
+    calls = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+    answer = lambda content, **fields: {"role": "assistant", "content": content, **fields}
+    thanks = [{"role": "user", "content": "thanks"}, answer("ok")]
+    cases = [  # the messages, the turns that carry loss, how many messages' reasoning is left out
+        # Answers in a row: the first, without reasoning, has no think block in the whole chat.
+        ([user, answer("ba"), answer("dc")], ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"], 0),
+        ([user, answer("ba"), answer("dc", reasoning_content="flip"), answer("<think>turn</think>fe")],
+         ["ba<|im_end|>\n", "<think>\nflip\n</think>\n\ndc<|im_end|>\n", "<think>\nturn\n</think>\n\nfe<|im_end|>\n"], 0),
+        # After the last user message: a call keeps its reasoning, an answer without has none.
+        ([user, answer("", tool_calls=[CALL], reasoning_content="need weather"), result, answer("", tool_calls=[CALL]),
+          result, answer("20 C."), answer("<think>sure</think>Hot.")],
+         ["<think>\nneed weather\n</think>\n\n" + calls, calls, "20 C.<|im_end|>\n",
+          "<think>\nsure\n</think>\n\nHot.<|im_end|>\n"], 0),
+        # A call with reasoning before a later user message: the whole chat drops the reasoning, the run counts it.
+        ([user, answer("", tool_calls=[CALL], reasoning_content="need weather"), result, answer("20 C."), *thanks],
+         [calls, "20 C.<|im_end|>\n", "<think>\n\n</think>\n\nok<|im_end|>\n"], 1),
+        ([user, answer("<think>need weather</think>Looking.", tool_calls=[CALL]), result,
+          answer("<think>hot</think>20 C."), *thanks],
+         ["Looking.\n" + calls, "20 C.<|im_end|>\n", "<think>\n\n</think>\n\nok<|im_end|>\n"], 2),
+    ]
+    for messages, turns, left_out in cases:
+        chat = {"messages": messages, "tools": TOOLS}
+        text, spans = render_with_loss_spans(chat, "chat", tokenizer)
+        assert text == tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+        assert [text[s:e] for s, e in spans] == turns
+        out = tokenize_example(chat, "chat", tokenizer, 2048)
+        assert tokenizer.decode([t for t in out["labels"] if t != IGNORE_INDEX]) == "".join(turns)
+        assert out["reasoning_left_out"] == left_out
+    # A prompt that differs from the whole chat outside the assistant turns is still refused: a template that writes
+    # the system message before the last user message only.
+    system_last = char_tokenizer(
+        "{%- set ns = namespace(last=-1) %}{%- for m in messages if m.role == 'user' %}{%- set ns.last = loop.index0 %}"
+        "{%- endfor %}{%- set ns.users = 0 %}{%- for m in messages %}{%- if m.role == 'user' %}"
+        "{%- if ns.users == ns.last %}{%- for s in messages if s.role == 'system' %}"
+        "{{- '<|im_start|>system\n' + s.content + '<|im_end|>\n' }}{%- endfor %}{%- endif %}"
+        "{%- set ns.users = ns.users + 1 %}{%- endif %}{%- if m.role != 'system' %}"
+        "{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}",
+        None, "<|im_end|>", ["<|im_end|>", "<|im_start|>", "<|endoftext|>"])
+    system = SYSTEM_CHAT["messages"][0]
+    for messages in (SYSTEM_CHAT["messages"], [*CHAT["messages"][:2], system, *CHAT["messages"][2:], *thanks]):
+        assert "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n" + messages[-2]["content"] in \
+            system_last.apply_chat_template(messages, tokenize=False)
+        with pytest.raises(ConfigError, match="renders a conversation differently from its prefixes"):
+            render_with_loss_spans({"messages": messages}, "chat", system_last)
+
+
 def test_tool_rows_read_from_parquet_give_the_tokens_of_the_json_lines(tmp_path):
     # Parquet holds one schema for all rows: every message gets a tool_calls (None), the call a content (None), and
     # a row without tools gets tools None.
