@@ -522,7 +522,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     # checkpoint of a longer or shorter run taken for an end.
     # output_dir's final/ is an earlier run's where overwrite_output_dir removes it before this run trains.
     ours = () if cfg.overwrite_output_dir else (final,)
-    exported = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
+    folders = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
+    exported = [f for f in folders if export_of(f, path)]
     at_end = state["step"] == total_steps
     if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
         why = (f", and {exported[0]} holds its export" if at_end and exported
@@ -533,9 +534,19 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
             f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
             f"<out_dir>`")
     if at_end:
-        print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {final} does not exist: the run is "
-                    f"finished from it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
+        found = (f"{final} holds an earlier export, older than the checkpoint (this run's export replaces it)"
+                 if final in folders else f"{final} does not exist")
+        print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
+                    f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
     return path
+
+
+def export_of(final: str, checkpoint: str) -> bool:
+    """Whether the folder `final` is the export of `checkpoint`: a run exports after its last save, so its final/ is
+    the newer. The final/ of an earlier segment of the run (before max_steps was raised) is older than the checkpoint
+    of the extended run's last step, which a kill in that run's export (or a SIGTERM in its last step) leaves
+    without its own."""
+    return os.path.getmtime(final) >= os.path.getmtime(os.path.join(checkpoint, STATE_NAME))
 
 
 def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:

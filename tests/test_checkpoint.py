@@ -1122,6 +1122,27 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
     assert f"and {tmp_path / 'whole' / 'final'} holds its export: nothing is left to train" in elsewhere.stderr
 
 
+def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_export(tiny, tmp_path):
+    """A run of 2 steps, extended to 4 (max_steps raised), fails after its last save: final/ still holds the 2-step
+    export, which a resume must not take for the 4-step run's. The resume finishes the run and replaces it."""
+    args = recipe_args(tiny, tmp_path, "--eval_fraction", "0.07", "--resume_from_checkpoint", "auto")
+    run([sys.executable, RECIPE, *args, "--max_steps", "2"])
+    earlier = final_weights(tmp_path)
+    run([sys.executable, "tests/drivers/final_eval_fails.py", RECIPE, *args, "--max_steps", "4"], expect_rc=1)
+    assert (tmp_path / "checkpoint-4").is_dir() and (tmp_path / "latest").read_text() == "checkpoint-4"
+    finished = run([sys.executable, RECIPE, *args, "--max_steps", "4"])
+    assert (f"resume: {tmp_path / 'checkpoint-4'} is at the run's last step (4) and {tmp_path / 'final'} holds an "
+            f"earlier export, older than the checkpoint (this run's export replaces it): the run is finished from "
+            f"it") in finished.stdout
+    convert(str(tmp_path / "checkpoint-4"), str(tmp_path / "step4"))
+    assert_same_weights(final_weights(tmp_path), load_file(tmp_path / "step4" / "model.safetensors"))
+    assert not torch.equal(final_weights(tmp_path)["model.norm.weight"], earlier["model.norm.weight"])
+    assert "eval/loss" in read_metrics(tmp_path / "metrics.jsonl")[-1]
+    # Now final/ is the 4-step run's export: nothing is left to do.
+    again = run([sys.executable, RECIPE, *args, "--max_steps", "4"], expect_rc=2)
+    assert f"and {tmp_path / 'final'} holds its export: nothing is left to train" in again.stderr
+
+
 def resume_inputs(tiny, *args):
     """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
