@@ -632,6 +632,19 @@ def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
     return world_size * batch * accumulation, f"{world_size} ranks x {batch} x {accumulation}"
 
 
+def global_batch_advice(saved_batch: int, world_size: int, batch: int) -> str:
+    """How this run's world size keeps the checkpoint's global batch: after a lost node the checkpoint's own layout
+    is out of reach, so the error names the accumulation that fits (or says that none does)."""
+    if saved_batch % world_size:
+        return f", which no layout of {world_size} ranks gives: resume on a world size that divides {saved_batch}"
+    per_rank = saved_batch // world_size
+    if per_rank % batch:
+        return (f", kept on {world_size} ranks by per_device_train_batch_size x gradient_accumulation_steps = "
+                f"{per_rank}")
+    return (f", kept on {world_size} ranks by --gradient_accumulation_steps {per_rank // batch} ({world_size} ranks x "
+            f"{batch} x {per_rank // batch})")
+
+
 def master_dtype(model: nn.Module) -> str:
     """The dtype of the weights the optimizer updates, such as 'float32' (bfloat16 with pure_bf16)."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -657,7 +670,8 @@ def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, 
     batch, layout = _global_batch(current, world_size)
     if saved_batch != batch:
         differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
-                      f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})")
+                      f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})"
+                      + global_batch_advice(saved_batch, world_size, current["per_device_train_batch_size"]))
     # pure_bf16 against bf16 or no: the master weights and Adam's moments would be rounded to bf16, or go on from
     # bf16-rounded values. bf16 and no differ in compute only, and may change like the engine.
     saved_master = state.get("master_dtype", master)  # a checkpoint from before the record: not compared

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
                                      model_config_differences, prepare_output_dir, remove_earlier_run, resolve_resume,
                                      resolve_state_dict_type, save_checkpoint, tokenizer_differences,
-                                     training_data_identity, validate_checkpoint)
+                                     training_config_differences, training_data_identity, validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
@@ -1171,9 +1171,19 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         f"{checkpoint} was saved by a run with another training config (packing: checkpoint False, now True; seed: "
         f"checkpoint 42, now 1; learning_rate: checkpoint 0.01, now 0.02; weight_decay: checkpoint 0.1, now 0.0; "
         f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 "
-        f"(2 ranks x 4 x 2), now 8 (1 ranks x 4 x 2)): a resume continues that run, whose data position and "
-        f"optimizer settings the checkpoint holds, so resume with the checkpoint's values, or start a fresh run "
-        f"(without --resume_from_checkpoint)")
+        f"(2 ranks x 4 x 2), now 8 (1 ranks x 4 x 2), kept on 1 ranks by --gradient_accumulation_steps 4 (1 ranks "
+        f"x 4 x 4)): a resume continues that run, whose data position and optimizer settings the checkpoint holds, "
+        f"so resume with the checkpoint's values, or start a fresh run (without --resume_from_checkpoint)")
+    # A world size whose layouts cannot give the checkpoint's 16 sequences, or a batch that does not divide them.
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert training_config_differences(state, cfg, 3, "float32") == [
+        "global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 (2 ranks "
+        "x 4 x 2), now 48 (3 ranks x 4 x 4), which no layout of 3 ranks gives: resume on a world size that divides 16"]
+    assert training_config_differences(state, dataclasses.replace(cfg, per_device_train_batch_size=3), 1,
+                                       "float32") == [
+        "global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 (2 ranks "
+        "x 4 x 2), now 12 (1 ranks x 3 x 4), kept on 1 ranks by per_device_train_batch_size x "
+        "gradient_accumulation_steps = 16"]
     # pure_bf16 keeps master weights and Adam's moments in bf16: the checkpoint's fp32 ones would be rounded.
     with pytest.raises(CheckpointError, match=r"\(master weights and optimizer state \(mixed_precision\): checkpoint "
                                               r"float32 \(mixed_precision bf16 or no\), now bfloat16\)"):
