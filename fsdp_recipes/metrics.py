@@ -143,8 +143,10 @@ class MetricsLogger:
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if parsed_step(line) <= step]
-        with open(self.path, "w") as f:
+        # Written aside, then renamed: a process killed while writing leaves the whole history, not a part of it.
+        with open(self.path + ".tmp", "w") as f:
             f.writelines(kept)
+        os.replace(self.path + ".tmp", self.path)
 
     def evaluated(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step`, as rank 0 reads it after start_at (False elsewhere)."""
