@@ -335,19 +335,23 @@ def check_packing_separates_examples(model: nn.Module, cfg: TrainConfig, device:
                           f"them. Set packing false")
 
 
+# Methods of modules that rebuild their buffer for a longer input: transformers' sinusoids (XGLM, M2M100, Musicgen)
+# and the rotary cos/sin caches of remote code copied from transformers 4.3x's Llama (InternLM2's, DeepSeek-V2's).
+_GROWN_TABLES = ("make_weights", "_set_cos_sin_cache")
+
+
 def position_table(model: nn.Module) -> Optional[int]:
     """The positions of the model's position table, learned or fixed: an embedding beside the input embeddings
     with max_position_embeddings rows (GPT-2's, OPT's and BioGPT's hold 2 more, an offset), or a buffer of as many
     rows (CTRL's sinusoids, GPT-J's and CodeGen's rotary sines). None for positions that are computed (rotary,
-    ALiBi, sinusoids grown as needed: XGLM's) or absent (RWKV, Mamba)."""
+    ALiBi), grown as needed (XGLM's sinusoids, remote code's rotary caches) or absent (RWKV, Mamba)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if not positions:
         return None
     inputs = model.get_input_embeddings()
     for module in model.modules():
         tables = [module.num_embeddings] if isinstance(module, nn.Embedding) and module is not inputs else []
-        # make_weights: transformers' modules whose sinusoids grow to any length (XGLM, M2M100, Musicgen).
-        if not hasattr(module, "make_weights"):
+        if not any(hasattr(module, method) for method in _GROWN_TABLES):
             tables += [buffer.shape[0] for buffer in module.buffers(recurse=False) if buffer.dim() == 2]
         if any(positions <= rows <= positions + 2 for rows in tables):
             return positions

@@ -1708,6 +1708,41 @@ def test_a_token_the_model_cannot_embed_stops_the_run_before_training(tiny, tmp_
     assert "training:" not in proc.stdout
 
 
+class CachedRotaryEmbedding(torch.nn.Module):
+    """The rotary embedding of transformers 4.36's Llama as remote code copies it (InternLM2's, DeepSeek-V2's): cos and
+    sin cached in 2-D buffers of max_position_embeddings rows, rebuilt for a longer input."""
+
+    def __init__(self, dim: int, max_position_embeddings: int):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self._set_cos_sin_cache(max_position_embeddings)
+
+    def _set_cos_sin_cache(self, seq_len: int):
+        self.max_seq_len_cached = seq_len
+        freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), self.inv_freq)
+        self.register_buffer("cos_cached", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
+        self.register_buffer("sin_cached", torch.cat((freqs, freqs), dim=-1).sin(), persistent=False)
+
+    def forward(self, x, seq_len: int):
+        if seq_len > self.max_seq_len_cached:
+            self._set_cos_sin_cache(seq_len)
+        return self.cos_cached[:seq_len], self.sin_cached[:seq_len]
+
+
+def test_a_rotary_cache_that_grows_sets_no_limit(capsys):
+    """Remote code's rotary caches are 2-D buffers of max_position_embeddings rows, as GPT-J's fixed table, but grow
+    with the input: a longer max_seq_length extends the context (a warning), as for transformers' own rotary models."""
+    tokenizer = demo.build_tokenizer()
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64))
+    rotary = model.model.layers[0].self_attn.rotary_emb = CachedRotaryEmbedding(8, 64)
+    assert rotary.cos_cached.shape == (64, 8)
+    check_model_reads_data(model, tokenizer, 128, datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    assert capsys.readouterr().out.startswith("warning: max_seq_length 128 is longer than the 64 positions the model "
+                                              "was trained for")
+    assert rotary(None, 128)[0].shape == (128, 8)
+
+
 def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
     tokenizer = demo.build_tokenizer()
     data = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
