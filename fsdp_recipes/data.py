@@ -342,7 +342,7 @@ _GROWN_TABLES = ("make_weights", "_set_cos_sin_cache")
 
 def position_table(model: nn.Module) -> Optional[int]:
     """The positions of the model's position table, learned or fixed: an embedding beside the input embeddings
-    with max_position_embeddings rows (GPT-2's, OPT's and BioGPT's hold 2 more, an offset), or a buffer of as many
+    with max_position_embeddings rows (GPT-2's; OPT's and BioGPT's hold 2 more, an offset), or a buffer of as many
     rows (CTRL's sinusoids, GPT-J's and CodeGen's rotary sines). None for positions that are computed (rotary,
     ALiBi), grown as needed (XGLM's sinusoids, remote code's rotary caches) or absent (RWKV, Mamba)."""
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)

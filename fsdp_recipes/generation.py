@@ -32,8 +32,8 @@ def prompt_text(tokenizer, prompt: str, use_chat_template: bool) -> str:
 def check_generation_prompts(cfg: TrainConfig, tokenizer, model: nn.Module) -> None:
     """Before the first step, what generation would fail on after the whole run: a prompt of no tokens (an empty
     prompt sent as plain text by a tokenizer without BOS: nothing to start from), or a prompt whose answer would run
-    past a position table (GPT-2's, OPT's, BioGPT's, CTRL's; a device-side assert on a GPU). Computed positions
-    (rotary, sinusoidal) have no table: transformers only warns there."""
+    past a position table (GPT-2's, OPT's, BioGPT's, CTRL's, GPT-J's; a device-side assert on a GPU). Positions
+    computed as needed (rotary from rope parameters, XGLM's sinusoids) have no table: transformers only warns there."""
     if not cfg.generation_prompts:
         return
     table = position_table(model)
