@@ -86,7 +86,8 @@ _RESUME_KEYS = (
     "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "output_router_logits", "router_aux_loss_coef",
 )
 # What a run writes into output_dir; --overwrite_output_dir removes these (and the folders _SAVE_RE matches).
-_RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "samples.jsonl")
+_RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "metrics.jsonl.tmp",
+                "samples.jsonl")
 
 
 class CheckpointError(ConfigError):

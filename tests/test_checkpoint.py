@@ -1316,6 +1316,7 @@ def dropout_run(tiny, reference, tmp_path_factory):
     for name in ["checkpoint-8.tmp", "final.old", "checkpoint-best"]:
         (root / "out" / name).mkdir()
     (root / "out" / "samples.jsonl").write_text("{}\n")
+    (root / "out" / "metrics.jsonl.tmp").write_text("{}\n")  # a resume's rewrite, killed
     (root / "out" / "checkpoint-notes.txt").write_text("the best so far: checkpoint-best\n")
     args = [*recipe_args(tiny, root / "out", "--model_name_or_path", model, "--max_steps", "4"),
             "--overwrite_output_dir", "true"]
