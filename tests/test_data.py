@@ -1777,7 +1777,8 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
             check_model_reads_data(model, tokenizer, 128, data)
         assert str(error.value) == ("max_seq_length 128 is longer than the model's position table (64 positions): "
                                     "set max_seq_length 64 or less")
-        with pytest.raises(IndexError, match="index 64 is out of bounds for dimension 0 with size 64"):
+        # IndexError, or for GPT-J on transformers 5.17 a RuntimeError from its gather.
+        with pytest.raises((IndexError, RuntimeError), match="index 64 is out of bounds for dimension . with size 64"):
             model(torch.zeros(1, 128, dtype=torch.long))
     # Positions computed as needed (XGLM's sinusoids) or none at all (RWKV): any length, and they do run it.
     xglm = XGLMForCausalLM(XGLMConfig(vocab_size=len(tokenizer), d_model=16, ffn_dim=32, num_layers=1,
