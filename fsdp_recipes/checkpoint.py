@@ -486,7 +486,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     differ = model_config_differences(saved, model.config.to_dict())
     if differ:
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
-    differ = training_config_differences(state, cfg, dist.get_world_size(), master_dtype(model))
+    recorded = {**state, "master_dtype": saved_master_dtype(path, state)}
+    differ = training_config_differences(recorded, cfg, dist.get_world_size(), master_dtype(model))
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
                               f"resume continues that run, whose data position and optimizer settings the checkpoint "
@@ -651,6 +652,18 @@ def master_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
+def saved_master_dtype(path: str, state: dict) -> Optional[str]:
+    """The master_dtype of the run that saved the checkpoint at `path`: as its state records it, else (a checkpoint
+    from before the record, 2026-12-02) the dtype of its Adam moments, which AdamW keeps in the weights' dtype; None
+    where it holds none."""
+    if "master_dtype" in state:
+        return state["master_dtype"]
+    metadata = read_dcp_metadata(os.path.join(path, "optimizer")).state_dict_metadata
+    dtypes = {str(item.properties.dtype).removeprefix("torch.") for key, item in metadata.items()
+              if key.startswith("state.") and key.endswith(".exp_avg")}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
 def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, master: str) -> list[str]:
     """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none); `master`
     is the master_dtype of the model resuming.
@@ -675,7 +688,7 @@ def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, 
                       + global_batch_advice(saved_batch, world_size, current["per_device_train_batch_size"]))
     # pure_bf16 against bf16 or no: the master weights and Adam's moments would be rounded to bf16, or go on from
     # bf16-rounded values. bf16 and no differ in compute only, and may change like the engine.
-    saved_master = state.get("master_dtype", master)  # a checkpoint from before the record: not compared
+    saved_master = state.get("master_dtype") or master  # None: not known (saved_master_dtype), not compared
     if saved_master != master:
         needed = "pure_bf16" if saved_master == "bfloat16" else "bf16 or no"
         differ.append(f"master weights and optimizer state (mixed_precision): checkpoint {saved_master} "

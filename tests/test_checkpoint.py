@@ -1190,6 +1190,23 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
 
 
+def test_a_checkpoint_from_before_the_master_dtype_record_is_compared_by_its_adam_moments(
+        tiny, reference, one_process_group, tmp_path):
+    """A checkpoint saved before trainer_state.json recorded master_dtype (2026-12-02) was resumed in another
+    mixed_precision without a word: its Adam moments, kept in the master weights' dtype, tell it."""
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(reference / "checkpoint-6", checkpoint)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["master_dtype"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4", "--max_steps", "8")
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    with pytest.raises(CheckpointError, match=r"\(master weights and optimizer state \(mixed_precision\): checkpoint "
+                                              r"float32 \(mixed_precision bf16 or no\), now bfloat16\)"):
+        resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
+
+
 def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group, tmp_path):
     checkpoint = reference / "checkpoint-6"
     cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
