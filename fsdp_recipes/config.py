@@ -346,6 +346,12 @@ class ConfigError(ValueError):
     """A config value the user must change; the message says which and how."""
 
 
+def is_local_path(name: str) -> bool:
+    """Whether a model, tokenizer or data set name can only be a local path: it starts as one does, or holds more
+    than one '/', which no Hub id (namespace/name) does (outputs/run1/final)."""
+    return name.startswith(("/", ".", "~")) or (name.count("/") > 1 and "://" not in name)
+
+
 def looked_in(path: str) -> str:
     """' in <working directory>' after a relative path that is not there: relative paths, in the YAML config as on the
     command line, are read from the directory the run starts in (not the YAML config's), so the error names it."""

@@ -18,7 +18,7 @@ from datasets.packaged_modules import _EXTENSION_TO_MODULE
 from datasets.packaged_modules.json.json import Json
 from huggingface_hub import metadata_load
 
-from .config import ConfigError, looked_in
+from .config import ConfigError, is_local_path, looked_in
 
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Compressions datasets' readers undo: data.jsonl.gz is read as data.jsonl.
@@ -144,7 +144,7 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
     `datasets` reads them. A file, and a folder saved from a single Dataset, hold one split: 'train'.
     """
     instruction = _parse_split(name, split)
-    if not os.path.exists(name) and (_file_type(name) in _FILE_BUILDERS or name.startswith(("/", ".", "~"))):
+    if not os.path.exists(name) and (_file_type(name) in _FILE_BUILDERS or is_local_path(name)):
         raise ConfigError(f"dataset_name {name}: no such file or folder{looked_in(name)}")
     if config_name and (os.path.isfile(name) or _is_saved_folder(name) or _is_files_folder(name)):
         kind = ("file" if os.path.isfile(name) else "save_to_disk folder" if _is_saved_folder(name) else

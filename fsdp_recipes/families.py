@@ -8,7 +8,7 @@ import re
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .config import ConfigError, TrainConfig, looked_in
+from .config import ConfigError, TrainConfig, is_local_path, looked_in
 from .new_recipe import recipe_advice, recipes_training
 
 
@@ -61,7 +61,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     generic recipe) takes every model type, with the attention implementations of exact_attention.
     """
     name = cfg.model_name_or_path
-    if name.startswith(("/", ".", "~")) and not os.path.exists(name):
+    if is_local_path(name) and not os.path.exists(name):
         raise ConfigError(f"model_name_or_path {name}: no such folder{looked_in(name)}")
     if os.path.isdir(os.path.join(cfg.model_name_or_path, "model")) and os.path.isfile(
             os.path.join(cfg.model_name_or_path, "trainer_state.json")):

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from .config import ConfigError, TrainConfig, looked_in
+from .config import ConfigError, TrainConfig, is_local_path, looked_in
 from .distributed import long_wait_group, run_on_rank0
 from .families import model_load_error
 from .plan import ShardingPlan
@@ -24,7 +24,7 @@ from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, sha
 
 def load_tokenizer(cfg: TrainConfig):
     source = cfg.tokenizer_name_or_path or cfg.model_name_or_path
-    if source.startswith(("/", ".", "~")) and not os.path.isdir(source):
+    if is_local_path(source) and not os.path.isdir(source):
         raise ConfigError(f"tokenizer_name_or_path {source}: no such folder{looked_in(source)}")
     save = (f"save the model's tokenizer in {source} (tokenizer.save_pretrained), or set tokenizer_name_or_path to "
             f"the base model's")

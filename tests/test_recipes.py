@@ -799,6 +799,14 @@ def test_a_relative_path_that_is_not_there_names_the_directory_it_was_looked_for
         check_model_type(cfg, {"llama": None}, "my_sft.py")
     with pytest.raises(ConfigError, match=f"^tokenizer_name_or_path ./models/tok: no such folder in {tmp_path}$"):
         load_tokenizer(cfg)
+    # Without './': more than one '/' is no Hub id (namespace/name), which the Hub client's error said it must be.
+    cfg = parse_config(["--model_name_or_path", "outputs/run1/final", "--dataset_name", "data/chats/part1"])
+    with pytest.raises(ConfigError, match=f"^model_name_or_path outputs/run1/final: no such folder in {tmp_path}$"):
+        check_model_type(cfg, {"llama": None}, "my_sft.py")
+    with pytest.raises(ConfigError, match=f"^tokenizer_name_or_path outputs/run1/final: no such folder in {tmp_path}$"):
+        load_tokenizer(cfg)
+    with pytest.raises(ConfigError, match=f"^dataset_name data/chats/part1: no such file or folder in {tmp_path}$"):
+        load_split("data/chats/part1", None, "train")
 
 
 def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
