@@ -174,8 +174,13 @@ def load_split(name: str, config_name: Optional[str], split: str) -> datasets.Da
         except FileNotFoundError as error:  # datasets' DatasetNotFoundError among them
             raise ConfigError(f"dataset_name {name}: {error}") from None
         except ConnectionError as error:  # not a local path, so taken for a Hub id; offline, or no network
+            # datasets reads a Hub data set offline from its own prepared copy alone, not from the files that
+            # `hf download` puts in the hub cache.
             raise ConfigError(f"dataset_name {name}: no such file or folder in {os.getcwd()}, and the Hub cannot be "
-                              f"reached to look for a data set of that name ({error})") from None
+                              f"reached to look for a data set of that name ({error}), nor does the datasets cache "
+                              f"{datasets.config.HF_DATASETS_CACHE} hold a copy of it: load it once with "
+                              f"datasets.load_dataset where the Hub can be reached, with the same HF_HOME (or "
+                              f"HF_DATASETS_CACHE), or set HF_HOME to the cache that holds it") from None
     if len(dataset) == 0:
         raise ConfigError(f"{name} (split {split}) holds no examples")
     return dataset

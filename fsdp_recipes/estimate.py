@@ -28,7 +28,7 @@ from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
 from .config import ConfigError
-from .families import check_causal_lm, exact_attention
+from .families import check_causal_lm, exact_attention, hub_cache_miss
 from .flops import build_meta_model
 from .plan import PRECISIONS
 from .sharding import MASTER_DTYPE, find_layer_classes
@@ -106,7 +106,8 @@ def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig
             raise ConfigError(f"--model {model} ships its own model code: pass --trust_remote_code to run it, as the "
                               f"recipe key trust_remote_code: true does") from error
         first_line = str(error).strip().splitlines()[0]
-        raise ConfigError(f"--model {model}: cannot read its config ({first_line})") from error
+        raise ConfigError(hub_cache_miss("--model", model, error)
+                          or f"--model {model}: cannot read its config ({first_line})") from error
 
 
 def shard_rows(rows: int, shard_size: int) -> int:

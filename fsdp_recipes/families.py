@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import re
 
+from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig, is_local_path, looked_in
@@ -43,13 +45,30 @@ def model_load_error(name: str, error: Exception) -> str:
     if os.path.isdir(name) and missing_code:
         return (f"model_name_or_path {name}: its config.json runs model code from {missing_code.group(1)} (auto_map), "
                 f"which the folder lacks: copy the model's .py files beside its config.json")
+    return hub_cache_miss("model_name_or_path", name, error) or f"model_name_or_path: {error}"
+
+
+def hub_cache_miss(key: str, name: str, error: Exception) -> str | None:
+    """What to change when `name`, no local folder, is not in the Hugging Face cache, whole or in part, and the Hub
+    cannot be reached to download it (a compute node without network): the cache looked in, and how to fill it or
+    point at the one that holds it (on a cluster, HF_HOME set on the login node but not in the job). None for another
+    error."""
     chain = [error]
     while chain[-1].__cause__ or chain[-1].__context__:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    if not os.path.exists(name) and any(isinstance(e, LocalEntryNotFoundError) for e in chain):
-        return (f"model_name_or_path {name}: no such folder in {os.getcwd()}, and the Hub cannot be reached (offline, "
-                f"or no network) to look for a model of that name")
-    return f"model_name_or_path: {error}"
+    if os.path.exists(name) or not any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        return None
+    cache = constants.HF_HUB_CACHE
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "no network"
+    # A download with --include, or one cut short, leaves the id's folder without a file the load needs.
+    if os.path.isdir(os.path.join(cache, repo_folder_name(repo_id=name, repo_type="model"), "snapshots")):
+        return (f"{key} {name}: the Hugging Face cache {cache} holds only part of it, without a file the load needs, "
+                f"and the Hub cannot be reached ({why}) to download that: download it whole into that cache where the "
+                f"Hub can be reached (hf download {name}, without --include)")
+    return (f"{key} {name}: no such folder in {os.getcwd()}, nor in the Hugging Face cache {cache}, and the Hub "
+            f"cannot be reached ({why}) to download it: download it into that cache where the Hub can be reached (hf "
+            f"download {name}, with the same HF_HOME or HF_HUB_CACHE), or set HF_HOME (or HF_HUB_CACHE) to the cache "
+            f"that holds it")
 
 
 def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:

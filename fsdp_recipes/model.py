@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from .config import ConfigError, TrainConfig, is_local_path, looked_in
 from .distributed import long_wait_group, run_on_rank0
-from .families import model_load_error
+from .families import hub_cache_miss, model_load_error
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
 
@@ -31,7 +31,10 @@ def load_tokenizer(cfg: TrainConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot load a tokenizer from {source}: {' '.join(str(error).split())}; {save}") from error
+        key = "tokenizer_name_or_path" if cfg.tokenizer_name_or_path else "model_name_or_path"
+        words = " ".join(str(error).split())
+        raise ConfigError(hub_cache_miss(key, source, error)
+                          or f"cannot load a tokenizer from {source}: {words}; {save}") from error
     # A folder without tokenizer files gives some model types (Qwen, GPT-2, Gemma) a tokenizer of special tokens
     # alone, which would tokenize every example to nothing or to unknown tokens.
     if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) - set(tokenizer.get_added_vocab()):

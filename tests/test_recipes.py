@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 import yaml
@@ -853,5 +854,7 @@ def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
     proc = run([sys.executable, "recipes/llama_sft.py", "--model_name_or_path", "demo/base_modle", "--dataset_name",
                 "data.jsonl", "--output_dir", tmp_path / "out"], expect_rc=2, HF_HUB_OFFLINE="1")
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: model_name_or_path demo/base_modle: no such folder in {REPO}, and the Hub cannot be reached "
-        f"(offline, or no network) to look for a model of that name")
+        f"error: model_name_or_path demo/base_modle: no such folder in {REPO}, nor in the Hugging Face cache "
+        f"{huggingface_hub.constants.HF_HUB_CACHE}, and the Hub cannot be reached (HF_HUB_OFFLINE is set) to download "
+        f"it: download it into that cache where the Hub can be reached (hf download demo/base_modle, with the same "
+        f"HF_HOME or HF_HUB_CACHE), or set HF_HOME (or HF_HUB_CACHE) to the cache that holds it")
