@@ -362,9 +362,13 @@ def _load_files_folder(name: str, split: str, instruction: datasets.ReadInstruct
 
 def _folder_files(name: str) -> dict[str, list[str]]:
     """The files of each split of a folder of data files, in the order they are read."""
+    return _without_empty_parts(_split_files(name))
+
+
+def _without_empty_parts(files: dict[str, list[str]]) -> dict[str, list[str]]:
     # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
     return {splitname: [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
-            for splitname, split_files in _split_files(name).items()}
+            for splitname, split_files in files.items()}
 
 
 def _split_files(name: str) -> dict[str, list[str]]:
@@ -416,9 +420,10 @@ def folder_summary(name: str) -> Optional[str]:
     run reads, for its log ('train: a.jsonl, b.jsonl; left out: LICENSE'). None for anything else."""
     if not _is_files_folder(name):
         return None
+    files = _split_files(name)
     summary = "; ".join(f"{splitname}: {_file_names(name, split_files)}"
-                        for splitname, split_files in _folder_files(name).items())
-    left_out = _not_in_splits(name, _split_files(name))
+                        for splitname, split_files in _without_empty_parts(files).items())
+    left_out = _not_in_splits(name, files)
     return summary + (f"; left out: {_file_names(name, left_out)}" if left_out else "")
 
 
