@@ -570,10 +570,9 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     """The checkpoint `<output_dir>/latest` names, as rank 0 reads it (None: no `latest`), so that every rank resumes
     from the same one. Every rank calls this."""
     found: list[Optional[str]] = [None]
-    latest = os.path.join(output_dir, LATEST_NAME)
-    if dist.get_rank() == 0 and os.path.isfile(latest):
-        with open(latest) as f:
-            found[0] = os.path.join(output_dir, f.read().strip())
+    name = read_latest(output_dir) if dist.get_rank() == 0 else None
+    if name is not None:
+        found[0] = os.path.join(output_dir, name)
         restore_replaced_checkpoint(found[0])
     dist.broadcast_object_list(found, src=0)
     if found[0] is not None and not os.path.isdir(found[0]):
@@ -585,6 +584,40 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
         raise CheckpointError(f"resume_from_checkpoint auto: `latest` names {found[0]}, which does not exist; "
                               f"{present}")
     return found[0]
+
+
+def read_latest(output_dir: str) -> Optional[str]:
+    """The checkpoint folder name `<output_dir>/latest` holds; None without one."""
+    latest = os.path.join(output_dir, LATEST_NAME)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def write_latest(output_dir: str, name: str) -> None:
+    """Make `<output_dir>/latest` name the checkpoint folder `name`: written aside and renamed, so that a kill leaves
+    the old or the new name, never half of one."""
+    latest_tmp = os.path.join(output_dir, LATEST_NAME + ".tmp")
+    with open(latest_tmp, "w") as f:
+        f.write(name)
+    fsync(latest_tmp)
+    os.replace(latest_tmp, os.path.join(output_dir, LATEST_NAME))
+    fsync(output_dir)
+
+
+def point_latest_at(output_dir: str, checkpoint: str) -> None:
+    """A resume from a checkpoint of output_dir other than the one `latest` names (a return to an earlier step)
+    makes `latest` name it: a run killed before its first save then resumes with auto where this one started, not
+    on the branch it left. Rank 0 writes; a checkpoint elsewhere leaves output_dir's `latest` as it is."""
+    checkpoint = os.path.normpath(os.path.abspath(checkpoint))
+    if dist.get_rank() != 0 or os.path.realpath(os.path.dirname(checkpoint)) != os.path.realpath(output_dir):
+        return
+    name, named = os.path.basename(checkpoint), read_latest(output_dir)
+    if named != name:
+        write_latest(output_dir, name)
+        print_line(f"resume: `latest` in {output_dir} now names {name}, where this run starts"
+                   + (f" (it named {named})" if named else ""))
 
 
 def restore_replaced_checkpoint(path: str) -> None:
@@ -799,12 +832,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
                 fsync(folder)  # its entries: the names of the files in it
             replace_dir(tmp, final)
             fsync(cfg.output_dir)  # the rename
-            latest_tmp = os.path.join(cfg.output_dir, LATEST_NAME + ".tmp")
-            with open(latest_tmp, "w") as f:
-                f.write(os.path.basename(final))
-            fsync(latest_tmp)
-            os.replace(latest_tmp, os.path.join(cfg.output_dir, LATEST_NAME))
-            fsync(cfg.output_dir)
+            write_latest(cfg.output_dir, os.path.basename(final))
             _apply_retention(cfg, step)
 
     # One part at a time, each ending when every rank has done it, so that a rank that fails alone stops them all.

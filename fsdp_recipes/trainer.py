@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
-from .checkpoint import (load_checkpoint, previous_run, resolve_state_dict_type, save_checkpoint,
+from .checkpoint import (load_checkpoint, point_latest_at, previous_run, resolve_state_dict_type, save_checkpoint,
                          training_data_identity)
 from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
@@ -244,6 +244,8 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     # Recorded in each checkpoint (rank 0 writes the state), so that a resume notices data changed in place.
     train_data = training_data_identity(train_dataset) if cfg.save_steps and env.is_main else None
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
+    if resume_from:
+        point_latest_at(cfg.output_dir, resume_from)
     logger.start_at(start_step)
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.

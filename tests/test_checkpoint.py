@@ -530,6 +530,24 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
             validate_checkpoint(str(tmp_path / "truncated"))
 
 
+def test_a_return_to_an_earlier_checkpoint_killed_before_its_first_save_resumes_there(tiny, reference, tmp_path):
+    """A run resumed from checkpoint-4 of its own output_dir, whose `latest` names checkpoint-6 (a return to an
+    earlier step), is killed in its first save: auto resumes from checkpoint-4 again, not from the branch it left."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns(".run.lock"))
+    args = recipe_args(tiny, out)
+    # The second get_optimizer_state_dict: the first is the resume's load.
+    rollback = torchrun("tests/drivers/ckpt_kill.py", "during_save", 2, *args, "--resume_from_checkpoint",
+                        out / "checkpoint-4", expect_rc=1)
+    assert f"`latest` in {out} now names checkpoint-4, where this run starts (it named checkpoint-6" in rollback.stdout
+    assert (out / "latest").read_text() == "checkpoint-4"
+    resumed = torchrun(RECIPE, *args, "--resume_from_checkpoint", "auto")
+    assert f"resumed from {out / 'checkpoint-4'} at step 4" in resumed.stdout
+    assert losses(out) == losses(reference)
+    assert_same_weights(final_weights(out), final_weights(reference))
+    assert (out / "latest").read_text() == "checkpoint-6"
+
+
 def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
     cases = {}
     shutil.copytree(reference / "checkpoint-6", tmp_path / "missing_rank")
