@@ -115,7 +115,10 @@ def any_rank_received_sigterm(sigterm_received: bool) -> bool:
     return flag.item() > 0
 
 
-def stop_message(step: int, checkpoint: str | None) -> str:
+def stop_message(step: int, checkpoint: str | None, trained: bool = True) -> str:
+    if not trained:  # the checkpoint resumed from holds the run; `auto` misses one outside output_dir
+        return (f"stopped by SIGTERM after step {step}, before the run's end: nothing trained, so nothing saved; "
+                f"resume with --resume_from_checkpoint {checkpoint}")
     if checkpoint is None:
         return (f"stopped by SIGTERM after step {step}: nothing saved, as this run saves no checkpoints "
                 f"(--save_steps 0; set it to make a stopped run resumable)")
@@ -357,4 +360,5 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
             evaluate_and_log(step)
     progress.close()
     if stopping or any_rank_received_sigterm(sigterm.received):
-        raise StoppedBySigterm(stop_message(step, checkpoint if cfg.save_steps else None))
+        trained = step > start_step  # false: resumed at the run's last step, stopped in its evaluation
+        raise StoppedBySigterm(stop_message(step, checkpoint if cfg.save_steps or not trained else None, trained))

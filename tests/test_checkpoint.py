@@ -1568,6 +1568,38 @@ def test_a_sigterm_in_a_step_stops_the_run_after_the_next(tiny, tmp_path, one_pr
                                             else ["metrics.jsonl"])
 
 
+@pytest.mark.parametrize("save_steps", [0, 6])
+def test_a_sigterm_in_the_final_evaluation_of_a_resume_at_the_last_step_names_its_checkpoint(
+        tiny, tmp_path, one_process_group, monkeypatch, save_steps):
+    """A checkpoint of a run's last step without its final/ (the run failed in its export), resumed into another
+    output_dir, where `auto` finds no checkpoint and would train from step 0: a SIGTERM in the final evaluation
+    stops the run before anything is trained, and the message names the checkpoint to resume from."""
+    earlier, out = tmp_path / "earlier", tmp_path / "out"
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    def run_train(output_dir, *extra, resume_from=None):
+        cfg = parse_config([str(arg) for arg in recipe_args(tiny, output_dir, "--eval_fraction", "0.07", *extra)])
+        tokenizer = load_tokenizer(cfg)
+        train_data, eval_data = build_datasets(cfg, tokenizer)
+        model = shard_model(load_model(cfg), resolve_plan(cfg))
+        train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True), resume_from, eval_data)
+
+    run_train(earlier, "--save_steps", 6)
+    checkpoint = str(earlier / "checkpoint-6")
+    evaluate = trainer.evaluate
+
+    def sigterm_in_evaluation(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate", sigterm_in_evaluation)
+    with pytest.raises(trainer.StoppedBySigterm) as stop:
+        run_train(out, "--save_steps", save_steps, resume_from=checkpoint)
+    assert str(stop.value) == (f"stopped by SIGTERM after step 6, before the run's end: nothing trained, so nothing "
+                               f"saved; resume with --resume_from_checkpoint {checkpoint}")
+    assert latest_checkpoint(str(out)) is None  # where `auto` would have started the run again from step 0
+
+
 def test_a_repeated_sigterm_is_the_same_stop_and_a_later_one_ends_the_process():
     """SLURM's SIGTERM reaches a rank, and the launcher's forwarded one a moment later: the run must go on to its
     save. A SIGTERM after that (here 0.5 s; 5 s in runs) ends the process, as without the handler."""
