@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .config import ConfigError, TrainConfig
 from .data import position_table
@@ -12,11 +12,23 @@ from .distributed import run_on_rank0
 from .metrics import MetricsLogger
 
 
+def generation_dtype(model_dir: str, attn_implementation: str, trust_remote_code: bool = False):
+    """The dtype to load the exported folder in: its own, but bf16 for an fp32 folder (save_dtype float32) under a
+    flash kernel, which takes bf16 or fp16 only (transformers only warns, and the kernel refuses fp32 queries)."""
+    if "flash" not in attn_implementation:
+        return "auto"
+    saved = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).dtype
+    return "auto" if saved in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
 def load_exported_model(model_dir: str, attn_implementation: str, device: torch.device,
                         trust_remote_code: bool = False):
-    """The exported folder in eval mode, with the run's attention implementation: config.json does not record it,
-    and transformers' default (sdpa where the model allows it) would skip Gemma 2's attention soft-capping in 5.17."""
+    """The exported folder in eval mode (in generation_dtype), with the run's attention implementation: config.json
+    does not record it, and transformers' default (sdpa where the model allows it) would skip Gemma 2's attention
+    soft-capping in 5.17."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation,
+                                                 dtype=generation_dtype(model_dir, attn_implementation,
+                                                                        trust_remote_code),
                                                  trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 

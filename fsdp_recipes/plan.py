@@ -315,6 +315,11 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         raise ConfigError(f"the accelerate config (or accelerate launch --mixed_precision) sets mixed_precision "
                           f"{precision}, which these recipes do not run: set bf16 or no there, or mixed_precision in "
                           f"the recipe config ({', '.join(PRECISIONS)}), which wins")
+    if precision == "no" and "flash" in cfg.attn_implementation:
+        # transformers only warns, and passes fp32 queries on to the kernel, which refuses them at the first step.
+        raise ConfigError(f"attn_implementation {cfg.attn_implementation} computes in bf16 or fp16 only, and "
+                          f"mixed_precision no runs the model in fp32: use mixed_precision bf16 (fp32 master weights, "
+                          f"bf16 compute), or attn_implementation sdpa")
 
     prefetch = env(lambda name: env_enum(name, BACKWARD_PREFETCHES), "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2 and env_version == 1:

@@ -8,11 +8,11 @@ import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
                           XGLMConfig, XGLMForCausalLM)
 
-from conftest import run
+from conftest import run, write_tiny_model
 from fsdp_recipes import demo
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.generation import (check_generation_prompts, generate_samples, load_exported_model,
-                                   log_sample_generations)
+from fsdp_recipes.generation import (check_generation_prompts, generate_samples, generation_dtype,
+                                   load_exported_model, log_sample_generations)
 from fsdp_recipes.metrics import MetricsLogger
 
 
@@ -21,6 +21,17 @@ def test_the_exported_model_is_reloaded_with_the_runs_attention_implementation(t
     for attn in ("eager", "sdpa"):
         model = load_exported_model(tiny["model"], attn, torch.device("cpu"))
         assert model.config._attn_implementation == attn
+
+
+def test_an_fp32_export_is_answered_in_bf16_under_a_flash_kernel(tiny, tmp_path):
+    """Flash kernels refuse fp32 queries (transformers only warns at the load): an fp32 folder (save_dtype float32)
+    loads in bf16 for them; other folders and other attention implementations keep the folder's dtype."""
+    fp32 = write_tiny_model(tmp_path / "fp32", dtype=torch.float32)
+    for attn in ("flash_attention_2", "kernels-community/flash-attn3"):
+        assert generation_dtype(str(fp32), attn) == torch.bfloat16
+        assert generation_dtype(tiny["model"], attn) == "auto"  # a bf16 folder
+    assert generation_dtype(str(fp32), "sdpa") == "auto"
+    assert load_exported_model(str(fp32), "sdpa", torch.device("cpu")).dtype == torch.float32
 
 
 def test_a_run_generates_with_its_attention_implementation(tmp_path):

@@ -187,6 +187,11 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
                                                  r"sets mixed_precision fp16, which these recipes do not run: set bf16 "
                                                  r"or no there, or mixed_precision in the recipe config \(bf16, no, "
                                                  r"pure_bf16\), which wins"),
+    ({"ACCELERATE_MIXED_PRECISION": "no"}, ["--attn_implementation", "kernels-community/flash-attn3"],
+     r"^attn_implementation kernels-community/flash-attn3 computes in bf16 or fp16 only, and mixed_precision no runs "
+     r"the model in fp32: use mixed_precision bf16 \(fp32 master weights, bf16 compute\), or attn_implementation "
+     r"sdpa$"),
+    ({}, ["--mixed_precision", "no", "--attn_implementation", "flash_attention_2"], "computes in bf16 or fp16 only"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "100k"}, [],
      "^the accelerate config's fsdp_min_num_params must be a whole number, got '100k'"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1500.7"}, [], "got '1500.7'"),
