@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import fractions
 import functools
 import itertools
 import json
@@ -615,8 +616,9 @@ def load_sources(names: list[str], config_names: list[Optional[str]], splits: li
 
 
 def carve_eval(dataset: datasets.Dataset, fraction: float, seed: int, name: str):
-    """(train, eval): a seeded random `fraction` of the examples held out for evaluation."""
-    n_eval = int(len(dataset) * fraction)
+    """(train, eval): a seeded random `fraction` of the examples held out for evaluation, rounded down."""
+    # The decimal as written: in floats 100 x 0.29 is 28.999999999999996, which int() makes 28.
+    n_eval = int(fractions.Fraction(str(fraction)) * len(dataset))
     if n_eval == 0 or n_eval == len(dataset):
         raise ConfigError(f"eval_fraction={fraction} of the {len(dataset)} examples of {name} leaves an empty train "
                           "or eval split")

@@ -32,7 +32,7 @@ from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, c
                                pack_examples)
 from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
                                       turn_closing_token_id)
-from fsdp_recipes.data_sources import load_split
+from fsdp_recipes.data_sources import carve_eval, load_split
 from fsdp_recipes.trainer import token_loss_sum
 
 from conftest import REPO, read_metrics, subprocess_env, torchrun
@@ -1218,6 +1218,14 @@ def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     assert list(train["input_ids"]) == list(again_train["input_ids"])
     all_ids = sorted(map(tuple, list(train["input_ids"]) + list(eval_set["input_ids"])))
     assert all_ids == sorted(tuple(tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"]) for r in ROWS)
+
+
+def test_eval_fraction_holds_out_the_share_written():
+    """In floats 100 x 0.29 is 28.999999999999996 and 100 x 0.57 is 56.99999999999999: one example too few."""
+    rows = datasets.Dataset.from_dict({"x": list(range(100))})
+    for fraction, held_out in [(0.29, 29), (0.57, 57), (0.05, 5), (0.333, 33), (0.999, 99)]:
+        train, eval_set = carve_eval(rows, fraction, 0, "rows")
+        assert (len(train), len(eval_set)) == (100 - held_out, held_out)
 
 
 def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
