@@ -38,8 +38,8 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import (INDEX_NAME, SAFETENSORS_DTYPES, fsync, fsync_tree, original_layout_of, weight_dtypes,
-                     write_hf_weights)
+from .export import (INDEX_NAME, SAFETENSORS_DTYPES, fsync, fsync_tree, original_layout_of, tied_parameter_names,
+                     weight_dtypes, write_hf_weights)
 from .flops import build_meta_model
 
 # What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
@@ -108,15 +108,20 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
             shapes, stored, load_tensor = sharded_checkpoint_tensors(checkpoint)
         else:  # its fp32 safetensors, in the layout the resume loads
             shapes, stored, load_tensor = full_checkpoint_tensors(checkpoint, open_files)
-        # A sharded checkpoint holds a tied lm_head under both names; an HF folder holds it once and reloads it tied.
-        if config.get("tie_word_embeddings"):
-            shapes.pop("lm_head.weight", None)
-            stored.pop("lm_head.weight", None)
         # The original (Hub) layout and the weights kept in fp32, as final/ is written; a model with its own code
         # (auto_map) is not built here: its floating-point weights are all written in `dtype`, as they are.
         model = model_names = None
         if "auto_map" not in config:
             model = build_meta_model(AutoConfig.from_pretrained(checkpoint))
+        # A sharded checkpoint holds a tied weight under both names; an HF folder holds it once and reloads it tied.
+        # The model's own ties, as final/ drops them: the output weight is not always lm_head (BioGPT's
+        # output_projection, ModernBERT decoder's decoder).
+        tied = (tied_parameter_names(model) if model is not None
+                else {"lm_head.weight"} if config.get("tie_word_embeddings") else set())
+        for name in tied:
+            shapes.pop(name, None)
+            stored.pop(name, None)
+        if model is not None:
             if state.get("loaded_in_model_layout"):  # as final/ keeps the layout of a source in transformers' own
                 model._weight_conversions = []
             layout = original_layout_of(model, shapes)

@@ -687,6 +687,31 @@ def small_checkpoint(tiny, tmp_path) -> str:
                            None)
 
 
+def test_converter_writes_a_tied_output_weight_once_whatever_its_name(tiny, tmp_path, one_process_group):
+    # BioGPT ties output_projection.weight, not lm_head.weight, to its embedding: the sharded checkpoint holds both
+    # names, and the converted folder, as final/, holds the embedding alone (it held both: 12 KB more here).
+    from transformers import BioGptConfig, BioGptForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    torch.manual_seed(0)
+    source = BioGptForCausalLM(BioGptConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64))
+    source.save_pretrained(tmp_path / "biogpt")
+    tokenizer.save_pretrained(tmp_path / "biogpt")
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "run")]
+                       + ["--model_name_or_path", str(tmp_path / "biogpt")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), load_tokenizer(cfg), 2,
+                                 0, None)
+    save_hf_model(model, load_tokenizer(cfg), str(tmp_path / "final"), torch.float32)
+    convert(checkpoint, str(tmp_path / "hf"))
+    final, converted = (load_file(tmp_path / folder / "model.safetensors") for folder in ("final", "hf"))
+    assert "output_projection.weight" not in converted
+    assert_same_weights(converted, final)
+    reloaded = BioGptForCausalLM.from_pretrained(tmp_path / "hf")
+    assert reloaded.output_projection.weight is reloaded.biogpt.embed_tokens.weight
+
+
 def test_converter_names_an_output_folder_it_cannot_create(tiny, tmp_path, one_process_group):
     # A file where a folder of the path should be: makedirs' FileExistsError named the file, not the problem.
     checkpoint = small_checkpoint(tiny, tmp_path)
