@@ -39,5 +39,6 @@ new-recipe:
 	@test -n "$(MODEL)" || { echo "usage: make new-recipe MODEL=<model_type of config.json, e.g. olmo2>"; exit 2; }
 	$(PYTHON) -m fsdp_recipes.new_recipe $(MODEL) --recipes_dir $(RECIPES_DIR)
 
+# Removes the venv and the demo's folder (the ones named by VENV and DEMO_DIR when they are set).
 clean:
-	rm -rf $(VENV) demo
+	rm -rf $(VENV) $(DEMO_DIR)

@@ -41,3 +41,13 @@ def test_demo_learns_the_task_with_the_plan_metrics_and_files_it_promises(tmp_pa
                  "generation_config.json", "chat_template.jinja"]:
         assert (final / name).is_file(), name
     assert not (tmp_path / "output" / "final.tmp").exists()
+
+
+def test_make_clean_removes_the_venv_and_demo_folder_it_is_given(tmp_path):
+    """`make clean DEMO_DIR=...` removes that folder, not ./demo (and leaves the running venv alone)."""
+    venv, demo = tmp_path / "venv", tmp_path / "my_demo"
+    for folder in (venv, demo):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "file").write_text("x")
+    run(["make", "clean", f"VENV={venv}", f"DEMO_DIR={demo}"])
+    assert not venv.exists() and not demo.exists()
