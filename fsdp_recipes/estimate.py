@@ -30,7 +30,7 @@ from .cli import run_main
 from .config import ConfigError
 from .families import check_causal_lm, exact_attention, hub_cache_miss
 from .flops import build_meta_model
-from .plan import PRECISIONS
+from .plan import PRECISIONS, check_flash_precision
 from .sharding import MASTER_DTYPE, find_layer_classes
 
 GIB = 1024**3
@@ -436,6 +436,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.num_gpus % args.num_nodes:
         raise ConfigError(f"--num_gpus {args.num_gpus} is not divisible by --num_nodes {args.num_nodes}: give the "
                           "GPUs of all nodes together, the same number on each node")
+    check_flash_precision(args.attn_implementation, args.mixed_precision)
     return args
 
 

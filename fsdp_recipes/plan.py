@@ -19,6 +19,16 @@ WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP")
 PRECISIONS = ("bf16", "no", "pure_bf16")
 
 
+def check_flash_precision(attn_implementation: str, mixed_precision: str) -> None:
+    """A flash kernel (flash_attention_2, or a Hub kernel such as kernels-community/flash-attn3) with mixed_precision
+    no: refused by the run at start, and by the memory estimate, which would otherwise plan a run that cannot train."""
+    if mixed_precision == "no" and "flash" in attn_implementation:
+        # transformers only warns, and passes fp32 queries on to the kernel, which refuses them at the first step.
+        raise ConfigError(f"attn_implementation {attn_implementation} computes in bf16 or fp16 only, and "
+                          f"mixed_precision no runs the model in fp32: use mixed_precision bf16 (fp32 master weights, "
+                          f"bf16 compute), or attn_implementation sdpa")
+
+
 @dataclass
 class ShardingPlan:
     fsdp_version: int
@@ -315,11 +325,7 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         raise ConfigError(f"the accelerate config (or accelerate launch --mixed_precision) sets mixed_precision "
                           f"{precision}, which these recipes do not run: set bf16 or no there, or mixed_precision in "
                           f"the recipe config ({', '.join(PRECISIONS)}), which wins")
-    if precision == "no" and "flash" in cfg.attn_implementation:
-        # transformers only warns, and passes fp32 queries on to the kernel, which refuses them at the first step.
-        raise ConfigError(f"attn_implementation {cfg.attn_implementation} computes in bf16 or fp16 only, and "
-                          f"mixed_precision no runs the model in fp32: use mixed_precision bf16 (fp32 master weights, "
-                          f"bf16 compute), or attn_implementation sdpa")
+    check_flash_precision(cfg.attn_implementation, precision)
 
     prefetch = env(lambda name: env_enum(name, BACKWARD_PREFETCHES), "FSDP_BACKWARD_PREFETCH")
     if prefetch and version == 2 and env_version == 1:

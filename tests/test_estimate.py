@@ -473,6 +473,19 @@ def test_bad_input_is_one_clear_line(tmp_path):
                            "folder or a config.json\n")
 
 
+def test_a_flash_kernel_in_fp32_is_refused_as_the_run_refuses_it():
+    # The run stops at start (plan.resolve_plan): the kernel takes bf16 or fp16 only.
+    for parse in (lambda *args: parse_args(["--model", "x", "--num_gpus", "8", *args]),
+                  lambda *args: resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *args]))):
+        with pytest.raises(ConfigError) as error:
+            parse("--attn_implementation", "flash_attention_2", "--mixed_precision", "no")
+        assert str(error.value) == ("attn_implementation flash_attention_2 computes in bf16 or fp16 only, and "
+                                    "mixed_precision no runs the model in fp32: use mixed_precision bf16 (fp32 master "
+                                    "weights, bf16 compute), or attn_implementation sdpa")
+    assert parse_args(["--model", "x", "--num_gpus", "8", "--attn_implementation", "flash_attention_2"]
+                      ).mixed_precision == "bf16"
+
+
 def test_readme_example_prints_the_output_the_readme_shows(configs):
     readme = (REPO / "README.md").read_text()
     command, shown = re.search(r"```bash\n(python -m fsdp_recipes\.estimate [^\n]*)\n```\n\n```text\n(.*?)```",
