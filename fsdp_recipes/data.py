@@ -270,15 +270,22 @@ def check_model_reads_data(model: nn.Module, tokenizer, max_seq_length: int,
             raise ConfigError(f"the data holds token id {largest}, and the model's embedding table has "
                               f"{num_embeddings} rows: use the model's own tokenizer (tokenizer_name_or_path), "
                               f"{resize}")
+    check_sequence_length(model, max_seq_length, "max_seq_length")
+
+
+def check_sequence_length(model: nn.Module, length: int, key: str) -> None:
+    """Refuse a sequence `length` (the setting `key`: the run's max_seq_length, the memory estimate's --seq_len)
+    beyond the model's position table, which has no row for the positions past it; warn beyond a rotary model's
+    trained context, which a run may extend."""
     table = position_table(model)
-    if table and max_seq_length > table:
-        raise ConfigError(f"max_seq_length {max_seq_length} is longer than the model's position table "
-                          f"({table} positions): set max_seq_length {table} or less")
+    if table and length > table:
+        raise ConfigError(f"{key} {length} is longer than the model's position table ({table} positions): set {key} "
+                          f"{table} or less")
     context = rotary_context(model.config.get_text_config())
-    if context and max_seq_length > context:
-        print_rank0(f"warning: max_seq_length {max_seq_length} is longer than the {context} positions the model was "
-                    f"trained for (max_position_embeddings, with its rope scaling): it has never seen the positions "
-                    f"beyond; to extend its context, add rope scaling (e.g. YaRN) to its config.json")
+    if context and length > context:
+        print_rank0(f"warning: {key} {length} is longer than the {context} positions the model was trained for "
+                    f"(max_position_embeddings, with its rope scaling): it has never seen the positions beyond; to "
+                    f"extend its context, add rope scaling (e.g. YaRN) to its config.json")
 
 
 # config attributes that give a model routed experts, whose per-expert batches change size with the data.

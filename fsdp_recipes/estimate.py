@@ -28,6 +28,7 @@ from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
 from .config import ConfigError
+from .data import check_sequence_length
 from .families import check_causal_lm, exact_attention, hub_cache_miss
 from .flops import build_meta_model
 from .plan import PRECISIONS, check_flash_precision
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"{' or '.join(a for a in allowed if a in ATTENTION)} (see fsdp_recipes/families.py), not "
                           f"{args.attn_implementation}")
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
+    check_sequence_length(model, args.seq_len, "--seq_len")
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
                                 args.trust_remote_code)
     print(format_report(model, args, saved))

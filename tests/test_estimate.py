@@ -12,7 +12,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
+from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
                           Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config,
                           Qwen3MoeConfig, T5Config)
 
@@ -484,6 +484,25 @@ def test_a_flash_kernel_in_fp32_is_refused_as_the_run_refuses_it():
                                     "weights, bf16 compute), or attn_implementation sdpa")
     assert parse_args(["--model", "x", "--num_gpus", "8", "--attn_implementation", "flash_attention_2"]
                       ).mixed_precision == "bf16"
+
+
+def test_a_sequence_beyond_the_position_table_is_refused_and_beyond_the_rotary_context_warned(tmp_path, capsys):
+    # GPT-2's learned positions have no row past n_positions (the run refuses such a max_seq_length at start).
+    gpt2 = write_config(tmp_path / "gpt2.json", GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2,
+                                                           n_positions=32, bos_token_id=0, eos_token_id=0).to_dict())
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(gpt2), "--num_gpus", "2", "--seq_len", "33"])
+    assert str(error.value) == ("--seq_len 33 is longer than the model's position table (32 positions): set --seq_len "
+                                "32 or less")
+    main(["--model", str(gpt2), "--num_gpus", "2", "--seq_len", "32"])
+    assert capsys.readouterr().out.startswith("model: GPT2LMHeadModel, ")
+    # Rotary positions: beyond the trained context is estimated, with the run's warning.
+    llama = write_config(tmp_path / "llama.json", LlamaConfig(**SMALL, max_position_embeddings=32).to_dict())
+    main(["--model", str(llama), "--num_gpus", "2", "--seq_len", "64"])
+    assert capsys.readouterr().out.startswith(
+        "warning: --seq_len 64 is longer than the 32 positions the model was trained for (max_position_embeddings, "
+        "with its rope scaling): it has never seen the positions beyond; to extend its context, add rope scaling "
+        "(e.g. YaRN) to its config.json\nmodel: LlamaForCausalLM, ")
 
 
 def test_readme_example_prints_the_output_the_readme_shows(configs):
