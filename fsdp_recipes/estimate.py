@@ -32,7 +32,7 @@ from .data import check_sequence_length
 from .families import check_causal_lm, exact_attention, hub_cache_miss
 from .flops import build_meta_model
 from .plan import PRECISIONS, check_flash_precision
-from .sharding import MASTER_DTYPE, find_layer_classes
+from .sharding import MASTER_DTYPE, check_no_weight_kept_in_fp32, find_layer_classes
 
 GIB = 1024**3
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HSDP")
@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"{args.attn_implementation}")
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
     check_sequence_length(model, args.seq_len, "--seq_len")
+    check_no_weight_kept_in_fp32(model, args.mixed_precision)
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
                                 args.trust_remote_code)
     print(format_report(model, args, saved))

@@ -82,15 +82,25 @@ def kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> re.Pattern | None:
     return re.compile("|".join(pattern.replace("*", ".*") for pattern in sorted(keep))) if keep else None
 
 
+def check_no_weight_kept_in_fp32(model: nn.Module, mixed_precision: str) -> None:
+    """Refuse a precision whose master weights are not fp32 (pure_bf16) for a model that keeps a weight in fp32
+    (DeepSeek V3's router gate.weight): the run checks its loaded model, the memory estimate its meta model."""
+    expected = MASTER_DTYPE[mixed_precision]
+    kept = kept_in_fp32(model, expected)
+    if kept is None:
+        return
+    for name, _ in model.named_parameters():
+        if kept.search(name):  # from_pretrained loads it in fp32 (model.py's rank-0 loading too)
+            raise ConfigError(f"{name} is kept in fp32 by {model.config.model_type} models (transformers' "
+                              f"_keep_in_fp32_modules_strict), and mixed_precision {mixed_precision} holds every "
+                              f"weight in {expected}: use mixed_precision bf16 (fp32 master weights, bf16 compute)")
+
+
 def check_master_dtype(model: nn.Module, plan: ShardingPlan) -> None:
     """The optimizer updates these weights: fp32 unless pure bf16 was asked for. Fail before any step is taken."""
+    check_no_weight_kept_in_fp32(model, plan.mixed_precision)
     expected = MASTER_DTYPE[plan.mixed_precision]
-    kept = kept_in_fp32(model, expected)
     for name, param in model.named_parameters():
-        if param.dtype != expected and kept and kept.search(name):
-            raise ConfigError(f"{name} is kept in fp32 by {model.config.model_type} models (transformers' "
-                              f"_keep_in_fp32_modules_strict), and mixed_precision {plan.mixed_precision} holds every "
-                              f"weight in {expected}: use mixed_precision bf16 (fp32 master weights, bf16 compute)")
         if param.dtype != expected:
             raise ConfigError(f"master weights must be {expected} for mixed_precision={plan.mixed_precision}, but "
                               f"{name} is {param.dtype}: load the model in {expected}")

@@ -12,7 +12,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, GPT2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
                           Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config,
                           Qwen3MoeConfig, T5Config)
 
@@ -21,7 +21,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, estimate, fsdp_groups, load_config,
                                    main, measure_activations, parse_args, recommend)
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh
+from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh, check_master_dtype
 from fsdp_recipes.trainer import token_loss_sum
 from test_accelerate_configs import launched_env, process_group_of
 from test_export import REMOTE_CONFIG, REMOTE_MODEL
@@ -503,6 +503,39 @@ def test_a_sequence_beyond_the_position_table_is_refused_and_beyond_the_rotary_c
         "warning: --seq_len 64 is longer than the 32 positions the model was trained for (max_position_embeddings, "
         "with its rope scaling): it has never seen the positions beyond; to extend its context, add rope scaling "
         "(e.g. YaRN) to its config.json\nmodel: LlamaForCausalLM, ")
+
+
+# Multi-head latent attention: q and k of 16 + 8 per head, v of as many.
+DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                   topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=24)
+
+
+def config_error(function, *args) -> str | None:
+    try:
+        function(*args)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_pure_bf16_is_refused_for_a_weight_kept_in_fp32_as_the_run_refuses_it(tmp_path):
+    config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek")
+    # The run's check, on the model as it loads it: the router's gate.weight in fp32 (transformers 5.24 and later;
+    # 5.17 keeps only the router's bias, a buffer, which pure_bf16 does not train).
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "deepseek", dtype=torch.bfloat16)
+    kept = [name for name, p in loaded.named_parameters() if p.dtype == torch.float32]
+    pure = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--mixed_precision", "pure_bf16"])
+    run_refusal = config_error(check_master_dtype, loaded, resolve_plan(pure))
+    estimate_refusal = config_error(main, ["--model", str(tmp_path / "deepseek"), "--num_gpus", "2", "--seq_len",
+                                           "16", "--mixed_precision", "pure_bf16"])
+    assert estimate_refusal == run_refusal
+    assert run_refusal == (kept and f"{kept[0]} is kept in fp32 by deepseek_v3 models (transformers' "
+                                    f"_keep_in_fp32_modules_strict), and mixed_precision pure_bf16 holds every weight "
+                                    f"in torch.bfloat16: use mixed_precision bf16 (fp32 master weights, bf16 compute)"
+                           or None)
 
 
 def test_readme_example_prints_the_output_the_readme_shows(configs):
