@@ -149,7 +149,9 @@ class _FusedAttentionSaves(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask):
-        output = torch.empty_like(query)
+        # Laid out in memory as q, as the kernels do (transformers' transpose(1, 2).contiguous() after them copies it
+        # or not as it would q), and of v's width: DeepSeek V3's multi-head latent attention has a narrower v.
+        output = torch.empty_like(query[..., :1].expand(*query.shape[:-1], value.shape[-1]))
         log_sum_exp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
         bias = None if attn_mask is None else torch.empty(attn_mask.shape, dtype=query.dtype, device=query.device)
         ctx.save_for_backward(query, key, value, output, log_sum_exp, bias)

@@ -132,9 +132,14 @@ def test_llama_3_1_parameter_counts_equal_the_published_ones(configs):
 
 
 # Each family's quirks: GQA, q/k norms (Qwen3, Gemma 3), four norms and soft-capped eager attention (Gemma 2),
-# sliding windows (Gemma 3), routed experts (Qwen3-MoE).
+# sliding windows (Gemma 3), routed experts (Qwen3-MoE), multi-head latent attention (DeepSeek V3).
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)
+# DeepSeek V3's multi-head latent attention: q and k of 16 + 8 per head, v of as many.
+DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                   topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=24)
 ARCHITECTURES = {
     "llama sdpa": (LlamaConfig(**SMALL), "sdpa"),
     "qwen3 sdpa": (Qwen3Config(**SMALL), "sdpa"),
@@ -149,6 +154,8 @@ ARCHITECTURES = {
                     "sdpa"),
     "qwen3_moe sdpa": (Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
                        "sdpa"),
+    # Multi-head latent attention (dense layers: the CPU's sdpa runs a fused kernel only for v as wide as q).
+    "deepseek_v3 sdpa": (AutoConfig.for_model("deepseek_v3", **dict(DEEPSEEK_V3, first_k_dense_replace=2)), "sdpa"),
 }
 
 
@@ -218,6 +225,20 @@ def test_moe_activations_follow_the_expert_width_and_eager_attention_its_scores(
     assert eager == 4 * 64 * 6
     # sdpa keeps no scores, only the batch's mask as a bf16 bias (one for all heads): 2 bytes per key.
     assert per_token(llama, "sdpa", 128) - per_token(llama, "sdpa", 64) == 64 * 2
+
+
+def test_multi_head_latent_attention_keeps_outputs_of_v_width():
+    # DeepSeek V3's v narrower than q and k (16 against 16 + 8): 8 fewer columns per head, in bf16, in the
+    # up-projected k and v (which v is a view of), in the fused kernel's output (laid out as q, which DeepSeek V3
+    # concatenates per head: transformers' transpose then copies it), and in that copy, which o_proj keeps.
+    def per_layer(v_head_dim, attn_implementation):
+        config = AutoConfig.for_model("deepseek_v3", **dict(DEEPSEEK_V3, first_k_dense_replace=2,
+                                                           v_head_dim=v_head_dim))
+        return measure_activations(config, "bf16", 2, 64, attn_implementation).per_layer
+
+    for attn_implementation in ("sdpa", "flash_attention_2", "flex_attention"):
+        narrow, wide = per_layer(16, attn_implementation), per_layer(24, attn_implementation)
+        assert [w - n for w, n in zip(wide, narrow)] == [2 * 64 * 4 * 8 * 2 * 3] * 2
 
 
 def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
@@ -503,13 +524,6 @@ def test_a_sequence_beyond_the_position_table_is_refused_and_beyond_the_rotary_c
         "warning: --seq_len 64 is longer than the 32 positions the model was trained for (max_position_embeddings, "
         "with its rope scaling): it has never seen the positions beyond; to extend its context, add rope scaling "
         "(e.g. YaRN) to its config.json\nmodel: LlamaForCausalLM, ")
-
-
-# Multi-head latent attention: q and k of 16 + 8 per head, v of as many.
-DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                   topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
-                   qk_rope_head_dim=8, v_head_dim=24)
 
 
 def config_error(function, *args) -> str | None:
