@@ -29,7 +29,7 @@ from transformers.masking_utils import flash_attention_mask
 from .cli import run_main
 from .config import ConfigError
 from .data import check_sequence_length
-from .families import check_causal_lm, exact_attention, hub_cache_miss
+from .families import check_causal_lm, check_loads_whole, exact_attention, hub_cache_miss
 from .flops import build_meta_model
 from .plan import PRECISIONS, check_flash_precision
 from .sharding import MASTER_DTYPE, check_no_weight_kept_in_fp32, find_layer_classes
@@ -447,6 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = load_config(args.model, args.trust_remote_code)
     check_causal_lm(config, f"--model {args.model}")
+    check_loads_whole(config, f"--model {args.model}")
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "

@@ -94,14 +94,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     except (OSError, ValueError) as e:  # transformers' message names the path or hub id and what is missing there
         raise ConfigError(model_load_error(cfg.model_name_or_path, e)) from e
     check_causal_lm(config, cfg.model_name_or_path)
-    part = part_that_loads(config)
-    if part is not None:
-        raise ConfigError(
-            f"{cfg.model_name_or_path} is a {config.model_type} model, of which AutoModelForCausalLM loads the "
-            f"{part.__name__} part alone: the run would train and export it without the rest of the checkpoint (its "
-            f"vision or audio model). Not supported: train a model that AutoModelForCausalLM loads whole, such as a "
-            f"checkpoint of that part alone (model_type {part.config_class.model_type})"
-        )
+    check_loads_whole(config, cfg.model_name_or_path)
     # The family first: another family's recipe would give the attention advice of its own YAML config.
     if model_types is not None and config.model_type not in model_types:
         raise ConfigError(
@@ -138,6 +131,19 @@ def check_causal_lm(config, name: str) -> None:
     raise ConfigError(f"{name} is a {config.model_type} model, which AutoModelForCausalLM does not load: train a "
                       f"causal language model (a decoder-only model type transformers lists for "
                       f"AutoModelForCausalLM), or a checkpoint whose own code declares one (trust_remote_code)")
+
+
+def check_loads_whole(config, name: str) -> None:
+    """Refuse a model of which AutoModelForCausalLM loads a part alone (Llama 4's, Qwen 3.5's text model), checked
+    by every recipe and by the memory estimate: `name` is the model as the user gave it."""
+    part = part_that_loads(config)
+    if part is not None:
+        raise ConfigError(
+            f"{name} is a {config.model_type} model, of which AutoModelForCausalLM loads the {part.__name__} part "
+            f"alone: the run would train and export it without the rest of the checkpoint (its vision or audio "
+            f"model). Not supported: train a model that AutoModelForCausalLM loads whole, such as a checkpoint of "
+            f"that part alone (model_type {part.config_class.model_type})"
+        )
 
 
 def part_that_loads(config) -> type | None:

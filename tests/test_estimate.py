@@ -20,6 +20,7 @@ from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, estimate, fsdp_groups, load_config,
                                    main, measure_activations, parse_args, recommend)
+from fsdp_recipes.families import check_model_type
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh, check_master_dtype
 from fsdp_recipes.trainer import token_loss_sum
@@ -550,6 +551,25 @@ def test_pure_bf16_is_refused_for_a_weight_kept_in_fp32_as_the_run_refuses_it(tm
                                     f"_keep_in_fp32_modules_strict), and mixed_precision pure_bf16 holds every weight "
                                     f"in torch.bfloat16: use mixed_precision bf16 (fp32 master weights, bf16 compute)"
                            or None)
+
+
+@pytest.mark.parametrize("model_type, part", [("llama4", "Llama4ForCausalLM"), ("qwen3_5", "Qwen3_5ForCausalLM")])
+def test_a_model_loaded_in_part_is_refused_as_the_run_refuses_it(tmp_path, model_type, part):
+    # AutoModelForCausalLM builds the text model alone from these multimodal configs: the run refuses them at start.
+    config = AutoConfig.for_model(model_type)
+    config.save_pretrained(tmp_path / model_type)
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(tmp_path / model_type), "--num_gpus", "8"])
+    text_type = config.get_text_config().model_type
+    assert str(error.value) == (
+        f"--model {tmp_path / model_type} is a {model_type} model, of which AutoModelForCausalLM loads the {part} part "
+        f"alone: the run would train and export it without the rest of the checkpoint (its vision or audio model). "
+        f"Not supported: train a model that AutoModelForCausalLM loads whole, such as a checkpoint of that part alone "
+        f"(model_type {text_type})")
+    run = parse_config(["--model_name_or_path", str(tmp_path / model_type), "--dataset_name", "d"])
+    with pytest.raises(ConfigError) as run_error:
+        check_model_type(run, None, "recipes/sft.py")
+    assert str(run_error.value) == str(error.value).removeprefix("--model ")
 
 
 def test_readme_example_prints_the_output_the_readme_shows(configs):
