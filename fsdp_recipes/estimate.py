@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from unittest import mock
 
@@ -158,6 +159,14 @@ class _FusedAttentionSaves(torch.autograd.Function):
         return output
 
 
+class _Saved:
+    """A tensor autograd saved for backward, as its graph holds it: alive as long as backward may need it."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -242,8 +251,7 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) ->
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
-    saved = [0] * len(layers)
-    seen: set[int] = set()  # a tensor that several layers save (the residual stream) is counted once
+    saves: list[tuple[weakref.ref, int]] = []  # each tensor saved while a decoder layer ran, and that layer
     inputs: list[int] = []
     running: list[int] = []  # the index of the decoder layer whose forward is running
     ran: set[int] = set()
@@ -258,12 +266,11 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) ->
     def leave(module, args, output):
         running.pop()
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if running and storage._cdata not in weights and storage._cdata not in seen:
-            seen.add(storage._cdata)
-            saved[running[-1]] += storage.nbytes()
-        return tensor
+    def pack(tensor: torch.Tensor) -> _Saved:
+        packed = _Saved(tensor)
+        if running:
+            saves.append((weakref.ref(packed), running[-1]))
+        return packed
 
     with torch.device("meta"):
         input_ids = torch.zeros(batch, seq_len, dtype=torch.long)
@@ -279,11 +286,21 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) ->
         with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
               mock.patch.object(masking_utils, "find_packed_sequence_indices",
                                 torch.zeros_like if packed else lambda position_ids: None),
-              torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor)):
             logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     finally:
         for handle in handles:
             handle.remove()
+    # Counted once the forward has ended, while logits hold the graph: a tensor saved in a branch that the output
+    # does not reach (a MoE router's top-k) was freed with it, and backward never sees it.
+    saved = [0] * len(layers)
+    seen: set[int] = set()  # a tensor that several layers save (the residual stream) is counted once
+    for ref, index in saves:
+        packed = ref()
+        storage = None if packed is None else packed.tensor.untyped_storage()
+        if storage is not None and storage._cdata not in weights and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            saved[index] += storage.nbytes()
     return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs),
                             _used_parameters(model, logits))
 

@@ -6,6 +6,7 @@ import json
 import re
 import shlex
 import sys
+import weakref
 
 import pytest
 import torch
@@ -157,7 +158,15 @@ ARCHITECTURES = {
                        "sdpa"),
     # Multi-head latent attention (dense layers: the CPU's sdpa runs a fused kernel only for v as wide as q).
     "deepseek_v3 sdpa": (AutoConfig.for_model("deepseek_v3", **dict(DEEPSEEK_V3, first_k_dense_replace=2)), "sdpa"),
+    # Its routed experts, whose router's top-k branch of the graph is freed during the forward.
+    "deepseek_v3 moe sdpa": (AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3), "sdpa"),
 }
+
+
+class Saved:
+    """A tensor autograd saved, as its graph holds it (weakly referenced to see whether the graph still does)."""
+    def __init__(self, tensor):
+        self.tensor = tensor
 
 
 def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int, seq_len: int, layout: str
@@ -168,18 +177,16 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn_implementation)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers, running, seen = model.model.layers, [], set()
-    per_layer = [0] * len(layers)
+    layers, running, saves = model.model.layers, [], []
     for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda module, args, index=index: running.append(index))
         layer.register_forward_hook(lambda module, args, output: running.clear())
 
     def pack(tensor):
-        pointer = tensor.untyped_storage().data_ptr()
-        if running and pointer not in weights and pointer not in seen:
-            seen.add(pointer)
-            per_layer[running[0]] += tensor.untyped_storage().nbytes()
-        return tensor
+        packed = Saved(tensor)
+        if running:
+            saves.append((weakref.ref(packed), running[0]))
+        return packed
 
     inputs = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq_len))}
     if layout == "packed":
@@ -187,8 +194,17 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
     elif layout == "padded":
         inputs["attention_mask"] = torch.ones(batch, seq_len, dtype=torch.long)
         inputs["attention_mask"][-1, seq_len // 2:] = 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(**inputs, use_cache=False)  # as in training
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor):
+        logits = model(**inputs, use_cache=False).logits  # as in training
+    # What the graph still holds once the forward has ended: a MoE router's top-k branch is freed before.
+    per_layer, seen = [0] * len(layers), set()
+    for ref, index in saves:
+        packed = ref()
+        pointer = None if packed is None else packed.tensor.untyped_storage().data_ptr()
+        if pointer is not None and pointer not in weights and pointer not in seen:
+            seen.add(pointer)
+            per_layer[index] += packed.tensor.untyped_storage().nbytes()
+    del logits
     return per_layer
 
 
