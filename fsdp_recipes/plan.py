@@ -342,7 +342,8 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     # The checkpoint format (checkpoint.resolve_state_dict_type) is read from either config too: say which won.
     env_state_dict = env(lambda name: env_enum(name, STATE_DICT_TYPES), "FSDP_STATE_DICT_TYPE")
     env_format = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}.get(env_state_dict)
-    if cfg.save_state_dict_type and env_format and cfg.save_state_dict_type != env_format:
+    # LOCAL_STATE_DICT (no format of ours: refused without the recipe's) is replaced by either.
+    if cfg.save_state_dict_type and env_state_dict and cfg.save_state_dict_type != env_format:
         overrides.append(f"save_state_dict_type: recipe config {cfg.save_state_dict_type!r} overrides accelerate "
                          f"config fsdp_state_dict_type {env_state_dict!r}")
 

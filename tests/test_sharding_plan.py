@@ -43,6 +43,13 @@ def test_defaults_without_a_launcher(monkeypatch):
     assert plan.overrides == []
 
 
+def test_the_recipe_format_over_accelerate_local_state_dict_is_reported(accelerate_env):
+    accelerate_env.setenv("FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT")
+    assert plan_for("--save_state_dict_type", "sharded", "--save_steps", "10").overrides == [
+        "save_state_dict_type: recipe config 'sharded' overrides accelerate config fsdp_state_dict_type "
+        "'LOCAL_STATE_DICT'"]
+
+
 def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_env):
     accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
     plan = plan_for()
