@@ -1233,6 +1233,18 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
 
 
+def test_a_resume_keeps_the_router_loss_settings_of_the_checkpoint():
+    # The mixture-of-experts loss decides the updates as the learning rate does: a resume with another coefficient,
+    # or with the loss turned on or off, continues another run than the checkpoint's.
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_router_logits", "true",
+                        "--router_aux_loss_coef", "0.001"])
+    state = {"config": cfg.to_dict(), "world_size": 1, "master_dtype": "float32", "train_data": None}
+    assert training_config_differences(state, cfg, 1, "float32") == []
+    changed = dataclasses.replace(cfg, output_router_logits=None, router_aux_loss_coef=0.01)
+    assert training_config_differences(state, changed, 1, "float32") == [
+        "output_router_logits: checkpoint True, now None", "router_aux_loss_coef: checkpoint 0.001, now 0.01"]
+
+
 def test_a_checkpoint_from_before_the_master_dtype_record_is_compared_by_its_adam_moments(
         tiny, reference, one_process_group, tmp_path):
     """A checkpoint saved before trainer_state.json recorded master_dtype (2026-12-02) was resumed in another
