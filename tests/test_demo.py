@@ -35,6 +35,15 @@ def test_demo_learns_the_task_with_the_plan_metrics_and_files_it_promises(tmp_pa
         assert {"step", "loss", "learning_rate", "grad_norm", "tokens", "tokens_per_second"} <= m.keys()
         assert m["tokens"] > 0 and m["tokens_per_second"] > 0 and m["grad_norm"] > 0
     assert metrics[-1]["loss"] < 0.8 * metrics[0]["loss"]
+    # Without a terminal, each logged step's line: at step 40 the warm-up's last step trains at 39/40 of 2e-3.
+    m = metrics[3]
+    assert (f"step 40/400 loss {m['loss']:.4f} lr 1.95e-03 grad_norm {m['grad_norm']:.3f} tokens/s "
+            f"{m['tokens_per_second']:.0f} time left ") in proc.stdout
+    # The demo config's two prompts, answered by the exported model, printed and written to samples.jsonl.
+    expected = [{"prompt": "reverse: deadbeef", "completion": "feebdaed"},
+                {"prompt": "reverse: apple", "completion": "elppa"}]
+    assert read_metrics(tmp_path / "output" / "samples.jsonl") == expected
+    assert "sample: 'reverse: deadbeef' -> 'feebdaed'\nsample: 'reverse: apple' -> 'elppa'\n" in proc.stdout
 
     final = tmp_path / "output" / "final"
     for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
