@@ -121,7 +121,11 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     assert config["learning_rate"] == 1e-5 and config["eval_fraction"] == 0.07 and config["max_steps"] == 4
     assert "engine: FSDP2 (fully_shard) over 2 ranks" in config["sharding_plan"]["description"]
     assert config["sharding_plan"]["mixed_precision"] == "no"
-    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["wandb"]
+    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["wandb"] == wandb.__version__
+    # Python, CUDA and every library the README lists, this package included, each with a version.
+    assert config["versions"].keys() == {"python", "cuda", "torch", "transformers", "accelerate", "datasets",
+                                         "safetensors", "wandb", "fsdp-recipes"}
+    assert "not installed" not in config["versions"].values()
     assert resumed["config"]["max_steps"] == 6
 
 
@@ -330,6 +334,18 @@ def test_progress_bar_only_on_rank0_in_a_terminal(observed):
     for step in (2, 4):
         assert f"\rsaved {observed['out']}/checkpoint-{step} (sharded)\r\n" in screen, screen
         assert re.search(rf"\reval at step {step}: loss \d+\.\d+ perplexity \d+\.\d+\r\n", screen), screen
+
+
+def test_plain_progress_lines_show_the_logged_numbers(observed):
+    # The resumed run writes to a pipe: one line per logged step and per evaluation, as the README shows them.
+    train, evals = split_metrics(observed["out"] / "metrics.jsonl")
+    printed = observed["resumed"].stdout
+    for m in train[4:]:
+        line = (f"step {m['step']}/6 loss {m['loss']:.4f} lr {m['learning_rate']:.2e} grad_norm {m['grad_norm']:.3f} "
+                f"tokens/s {m['tokens_per_second']:.0f} time left ")
+        assert re.search(rf"^{re.escape(line)}\d+:\d\d:\d\d$", printed, flags=re.M), (line, printed)
+    last = evals[-1]
+    assert f"eval at step 6: loss {last['eval/loss']:.4f} perplexity {last['eval/perplexity']:.3f}\n" in printed
 
 
 def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):
