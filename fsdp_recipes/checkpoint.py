@@ -621,9 +621,10 @@ def point_latest_at(output_dir: str, checkpoint: str) -> None:
 
 
 def restore_replaced_checkpoint(path: str) -> None:
-    """Put back `path` from its .old copy if a save of the same step was killed between replace_dir's two renames
-    (a resume from an older checkpoint saves the step `latest` names again). The .old copy is whole: replace_dir
-    removes it only once the new folder is in place."""
+    """Put back `path` from its .old copy if a save of the same step was killed between replace_dir's two renames.
+    Only an output_dir from before point_latest_at holds one: a resume from an older checkpoint then left `latest`
+    naming a later step, which the run saved again. The .old copy is whole: replace_dir removes it only once the new
+    folder is in place."""
     if not os.path.exists(path) and os.path.isdir(path + ".old"):
         os.replace(path + ".old", path)
         fsync(os.path.dirname(path))

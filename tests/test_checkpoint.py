@@ -893,8 +893,9 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
         f"checkpoint-4, checkpoint-6: pass --resume_from_checkpoint {tmp_path}/checkpoint-6 (the newest) or another "
         f"of them")
     (tmp_path / "latest").write_text("checkpoint-6")
-    # A save of step 6 again (after a resume from checkpoint-4), killed between replace_dir's two renames: the whole
-    # older copy is put back, and the killed save's .tmp is left to the next save of step 6.
+    # A save of step 6 again (after a resume from checkpoint-4, by a version whose `latest` still named step 6),
+    # killed between replace_dir's two renames: the whole older copy is put back, and the killed save's .tmp is left
+    # to the next save of step 6.
     (tmp_path / "checkpoint-6").rename(tmp_path / "checkpoint-6.old")
     (tmp_path / "checkpoint-6.tmp").mkdir()
     assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-6"
