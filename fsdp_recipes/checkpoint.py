@@ -571,18 +571,22 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     from the same one. Every rank calls this."""
     found: list[Optional[str]] = [None]
     name = read_latest(output_dir) if dist.get_rank() == 0 else None
-    if name is not None:
+    if name:
         found[0] = os.path.join(output_dir, name)
         restore_replaced_checkpoint(found[0])
+    elif name == "":  # an empty `latest` (truncated by hand): joined, it would name output_dir itself
+        found[0] = ""
     dist.broadcast_object_list(found, src=0)
-    if found[0] is not None and not os.path.isdir(found[0]):
+    if found[0] is None:
+        return None
+    if not found[0] or not os.path.isdir(found[0]):
         steps = checkpoint_steps(output_dir)
         present = (f"{output_dir} holds {', '.join(f'checkpoint-{step}' for step in steps)}: pass "
                    f"--resume_from_checkpoint {os.path.join(output_dir, f'checkpoint-{steps[-1]}')} (the newest) or "
                    f"another of them" if steps else
                    f"{output_dir} holds no checkpoint: start afresh with --overwrite_output_dir true")
-        raise CheckpointError(f"resume_from_checkpoint auto: `latest` names {found[0]}, which does not exist; "
-                              f"{present}")
+        what = f"names {found[0]}, which does not exist" if found[0] else f"in {output_dir} is empty"
+        raise CheckpointError(f"resume_from_checkpoint auto: `latest` {what}; {present}")
     return found[0]
 
 

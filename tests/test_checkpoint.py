@@ -892,6 +892,13 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
         f"resume_from_checkpoint auto: `latest` names {tmp_path}/checkpoint-8, which does not exist; {tmp_path} holds "
         f"checkpoint-4, checkpoint-6: pass --resume_from_checkpoint {tmp_path}/checkpoint-6 (the newest) or another "
         f"of them")
+    # An empty `latest` (truncated by hand) names no checkpoint: not output_dir itself, "not a checkpoint".
+    (tmp_path / "latest").write_text("")
+    with pytest.raises(CheckpointError) as error:
+        latest_checkpoint(str(tmp_path))
+    assert str(error.value) == (
+        f"resume_from_checkpoint auto: `latest` in {tmp_path} is empty; {tmp_path} holds checkpoint-4, checkpoint-6: "
+        f"pass --resume_from_checkpoint {tmp_path}/checkpoint-6 (the newest) or another of them")
     (tmp_path / "latest").write_text("checkpoint-6")
     # A save of step 6 again (after a resume from checkpoint-4, by a version whose `latest` still named step 6),
     # killed between replace_dir's two renames: the whole older copy is put back, and the killed save's .tmp is left
