@@ -115,9 +115,15 @@ class MetricsLogger:
         self.is_main = is_main
         self.wandb_run = None
         self.last_step = 0
+        # The W&B run of the checkpoint resumed from, kept in this run's checkpoints where it does not log to W&B
+        # (--report_to none while W&B is down): a later resume that logs to W&B continues it, not a new run.
+        self.resumed_wandb_run = dict.fromkeys(WANDB_STATE_KEYS)
         if is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
             self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
+            saved = saved_wandb_run(resume_from)
+            if saved["wandb_run_id"]:
+                self.resumed_wandb_run = saved
         if cfg.report_to == "wandb":
             # Every rank waits for it: where wandb.init fails (no server answers, a refused setting), the others stop
             # with a line naming rank 0's error, not with a crash in the next collective.
@@ -126,9 +132,10 @@ class MetricsLogger:
 
     @property
     def wandb_run_state(self) -> dict[str, Optional[str]]:
-        """The W&B run's id, project and entity by WANDB_STATE_KEYS (None without W&B), for each checkpoint."""
+        """The W&B run's id, project and entity by WANDB_STATE_KEYS, for each checkpoint; without W&B, those of the
+        checkpoint resumed from (None: it had none)."""
         if self.wandb_run is None or self.wandb_run.disabled:  # WANDB_MODE=disabled: a placeholder run, not resumable
-            return dict.fromkeys(WANDB_STATE_KEYS)
+            return self.resumed_wandb_run
         return dict(zip(WANDB_STATE_KEYS, (self.wandb_run.id, self.wandb_run.project, self.wandb_run.entity)))
 
     def start_at(self, step: int) -> None:

@@ -303,6 +303,22 @@ def test_a_disabled_wandb_run_is_not_saved_for_a_resume(tmp_path, monkeypatch, m
         assert state["wandb_run_id"] == logger.wandb_run.id and state["wandb_project"] == "p"
 
 
+def test_a_resume_without_wandb_keeps_the_checkpoints_wandb_run(tmp_path):
+    # W&B down: the run goes on with --report_to none; its checkpoints keep the W&B run, which a later resume with
+    # --report_to wandb continues.
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    saved = {"wandb_run_id": "k3x9q2ab", "wandb_project": "p", "wandb_entity": "team"}
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**saved, "config": {"wandb_project": "p"}}))
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "out")])
+    assert MetricsLogger(cfg, is_main=True, resume_from=str(checkpoint)).wandb_run_state == saved
+    # A fresh run, or a checkpoint of a run that did not log to W&B either: nothing to continue.
+    none = {"wandb_run_id": None, "wandb_project": None, "wandb_entity": None}
+    assert MetricsLogger(cfg, is_main=True).wandb_run_state == none
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**none, "config": {"wandb_project": "fsdp-recipes"}}))
+    assert MetricsLogger(cfg, is_main=True, resume_from=str(checkpoint)).wandb_run_state == none
+
+
 def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
     for n, world, size in [(17, 2, 8), (1, 3, 2), (10, 3, 4), (8, 2, 4)]:
         dataset = [{"input_ids": [7] * (i + 2), "labels": [i] * (i + 2)} for i in range(n)]
