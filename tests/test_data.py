@@ -1,6 +1,7 @@
 """Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
 import gzip
+import inspect
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pyarrow.parquet
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, CTRLConfig, CTRLLMHeadModel,
                           GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM,
@@ -1834,6 +1836,9 @@ def test_readme_data_example_is_a_valid_config(tmp_path):
     config = parse_config(["--config", str(tmp_path / "data.yaml"), "--model_name_or_path", "m"])
     assert config.dataset_name == "chats.jsonl,my_org/instructions" and config.dataset_weights == "1,0.5"
     assert (config.eval_fraction, config.packing, config.overlong_examples) == (0.05, False, "truncate")
+    # "all keys shown": every key of the config's Data group, in its order.
+    group = inspect.getsource(TrainConfig).split("# Data (see README")[1].split("# Optimisation.")[0]
+    assert list(yaml.safe_load(block)) == re.findall(r"^    (\w+):", group, flags=re.M)
 
 
 def test_eval_settings_are_checked():
