@@ -125,6 +125,28 @@ def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
         assert handlers[-1].settings.timeout.join == timedelta(seconds=600)
 
 
+def test_the_launchers_give_their_ranks_the_time_sigterm_comes_early(tmp_path, monkeypatch):
+    """sft_multinode.sbatch asks for SIGTERM 120 s before the time limit, and gives the launchers as long between their
+    own SIGTERM and killing their ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, torch 2.12 and later), for a step and a
+    save: the value reaches torchrun's launch config through accelerate's launcher code."""
+    [signal_line] = [line for line in (REPO / "slurm" / "sft_multinode.sbatch").read_text().splitlines()
+                     if line.startswith("#SBATCH --signal=")]
+    assert signal_line == "#SBATCH --signal=TERM@120"
+    # srun records the variable each node's launcher gets.
+    bin_dir = fake_slurm(tmp_path / "bin", '#!/bin/sh\necho "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > "$0.env"\n')
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl"], SLURM_NNODES="2", SLURM_CPUS_PER_TASK="1",
+        SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    shutdown_timeout = (bin_dir / "srun.env").read_text().strip()
+    assert shutdown_timeout == "120"
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", shutdown_timeout)
+    args = launch_node_args(tmp_path, 0, nnodes=2, gpus_per_node=1, port=free_port())
+    launcher = torchrun.config_from_args(_filter_args(args, torchrun.get_args_parser(), [
+        "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
+    if torch.__version__ >= "2.12":  # torch 2.11 kills the ranks 30 s after the launcher's SIGTERM
+        assert launcher.shutdown_timeout == 120
+
+
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
     common = ["--model_name_or_path", tiny["model"], *TRAIN_ARGS]
 
