@@ -381,7 +381,10 @@ def check_field_types(cfg) -> None:
         if not _matches(value, hints[f.name]):
             hint = (" (YAML reads ~ and an empty value as null)" if value is None else
                     " (YAML reads an unquoted yes, no, on or off as true or false: quote it)"
-                    if isinstance(value, bool) else "")
+                    if isinstance(value, bool) else
+                    # A text field given a number (dataset_weights: 0.5, run_name: 2024), which argparse would take.
+                    " (YAML reads an unquoted number as a number: quote it)"
+                    if isinstance(value, (int, float)) and _matches("", hints[f.name]) else "")
             raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{hint}")
 
 

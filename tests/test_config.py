@@ -175,6 +175,11 @@ def test_bad_values_are_explained(args, message):
     ("resume_from_checkpoint: false", r"^resume_from_checkpoint false: leave it unset \(null\) to start fresh, or set "
                                       r"it to auto or to a checkpoint folder$"),
     ("mixed_precision: no", r"got False \(YAML reads an unquoted yes, no, on or off as true or false: quote it\)"),
+    # A number for a text field, as argparse takes it from the command line (--dataset_weights 0.5).
+    ("dataset_weights: 0.5", r"^dataset_weights must be a string or null, got 0.5 \(YAML reads an unquoted number as a "
+                             r"number: quote it\)$"),
+    ("run_name: 2024\nreport_to: wandb", r"^run_name must be a string or null, got 2024 \(YAML reads an unquoted "
+                                         r"number as a number: quote it\)$"),
     # A key that is not a name (a boolean, a number, a list) is named with its line, not a traceback.
     ("no: 3", r"key no is not a name \(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it\)"
               r" in .* line 3"),
