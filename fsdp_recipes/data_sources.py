@@ -519,7 +519,13 @@ def parse_column_mapping(mapping: Optional[str]) -> dict[str, str]:
     pairs = [item.split("=") for item in mapping.split(",")]
     if any(len(pair) != 2 or not all(p.strip() for p in pair) for pair in pairs):
         raise ConfigError(f"dataset_column_mapping must look like 'question=prompt,answer=completion', got '{mapping}'")
-    return {source.strip(): target.strip() for source, target in pairs}
+    renames: dict[str, str] = {}
+    for source, target in ((source.strip(), target.strip()) for source, target in pairs):
+        if source in renames:  # a dict would keep the last one without a word
+            raise ConfigError(f"dataset_column_mapping renames '{source}' twice, to '{renames[source]}' and "
+                              f"'{target}': map it once")
+        renames[source] = target
+    return renames
 
 
 def parse_weights(weights: str) -> list[float]:

@@ -1520,6 +1520,8 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "latin1.csv"), r"cannot parse .*latin1.csv, 'utf-8' codec can't decode"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=text,prompt=text"),
          r"renames both 'question' and 'prompt' of .*both.jsonl to 'text': map only one of them"),
+        (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt, question=completion"),
+         r"^dataset_column_mapping renames 'question' twice, to 'prompt' and 'completion': map it once$"),
     ]
 
 
