@@ -23,8 +23,11 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from conftest import REPO, read_metrics, run, subprocess_env
-from fsdp_recipes.config import ConfigError
+from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.distributed import init_distributed
+from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import build_mesh
+from test_accelerate_configs import process_group_of
 from test_readme import readme_commands
 
 # 4 sequences per step: 1 rank x 2 micro-batches of 2, or 2 ranks x 1 of 2. A learning rate large enough that
@@ -75,27 +78,28 @@ def fake_slurm(bin_dir, srun: str = SRUN):
     return bin_dir
 
 
-def launch_node_args(tmp_path, node_rank: int, nnodes: int, gpus_per_node: int, port: int) -> argparse.Namespace:
+def launch_node_args(tmp_path, node_rank: int, nnodes: int, gpus_per_node: int, port: int,
+                     **env: str) -> argparse.Namespace:
     """The arguments slurm/launch_node.sh gives `accelerate launch` on node `node_rank` of `nnodes` x
-    `gpus_per_node` (with MASTER_ADDR 127.0.0.1), as accelerate's own launcher code parses and completes them before
-    it starts torchrun."""
+    `gpus_per_node` (with MASTER_ADDR 127.0.0.1, and `env`: ACCELERATE_CONFIG), as accelerate's own launcher code
+    parses and completes them before it starts torchrun."""
     bin_dir = tmp_path / f"node{node_rank}_bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "accelerate").write_text(ACCELERATE)
     (bin_dir / "accelerate").chmod(stat.S_IRWXU)
     run(["bash", "slurm/launch_node.sh", "recipes/llama_sft.py"], PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         NNODES=str(nnodes), NODE_RANK=str(node_rank), GPUS_PER_NODE=str(gpus_per_node), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port))
+        MASTER_PORT=str(port), **env)
     command, *argv = (bin_dir / "accelerate.args").read_text().splitlines()
     assert command == "launch"
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
     return args
 
 
-def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int) -> dict[str, str]:
+def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int, **env: str) -> dict[str, str]:
     """The environment each process of node 0 gets under slurm/launch_node.sh: what `accelerate launch` sets, and
     the WORLD_SIZE and LOCAL_WORLD_SIZE torchrun adds."""
-    args = launch_node_args(tmp_path, 0, nnodes, gpus_per_node, free_port())
+    args = launch_node_args(tmp_path, 0, nnodes, gpus_per_node, free_port(), **env)
     env = prepare_multi_gpu_env(args)
     env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=args.nproc_per_node)
     return env
@@ -145,6 +149,26 @@ def test_the_launchers_give_their_ranks_the_time_sigterm_comes_early(tmp_path, m
         "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
     if torch.__version__ >= "2.12":  # torch 2.11 kills the ranks 30 s after the launcher's SIGTERM
         assert launcher.shutdown_timeout == 120
+
+
+@pytest.mark.parametrize("accelerate_config, recipe_args, mesh", [
+    # The default: HSDP, replicated across the nodes, sharded over each node's GPUs.
+    (None, [], (2, 8)),
+    # A config without parallelism_config: sharded over every GPU of every node; so is dp_replicate_size 1.
+    ("accelerate_configs/fsdp2.yaml", [], (16,)),
+    (None, ["--dp_replicate_size", "1"], (16,)),
+    # Another layout on 2 nodes of 8 GPUs: the recipe config's dp_replicate_size wins.
+    (None, ["--dp_replicate_size", "4"], (4, 4)),
+])
+def test_the_layout_on_2_nodes_of_8_gpus(tmp_path, monkeypatch, accelerate_config, recipe_args, mesh):
+    """The meshes the README's Multi-node section gives for launch_node.sh, through accelerate's launcher code."""
+    env = {"ACCELERATE_CONFIG": accelerate_config} if accelerate_config else {}
+    for key, value in launch_node_env(tmp_path, nnodes=2, gpus_per_node=8, **env).items():
+        monkeypatch.setenv(key, value)
+    plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", *recipe_args]))
+    with process_group_of(16):
+        build_mesh(plan, torch.device("cpu"))
+    assert plan.mesh_shape == mesh
 
 
 def test_two_nodes_torchrun_and_one_process_train_the_same(tiny, tmp_path):
