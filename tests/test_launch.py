@@ -247,6 +247,13 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
     assert not (bin_dir / "srun.args").exists()
+    # A --config of the user's would be a second one, refused by the recipe on every node: refused before srun.
+    for config in (["--config", "my.yaml"], ["--config=my.yaml"]):
+        proc = run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl", *config], expect_rc=2, **slurm)
+        assert proc.stderr == ("error: --config among the arguments: run RECIPE_CONFIG=<file> sbatch ... instead (this "
+                               "script passes the recipe --config $RECIPE_CONFIG, by default the YAML config named "
+                               "after RECIPE)\n")
+        assert not (bin_dir / "srun.args").exists()
     # Called from another directory: its copy finds none of the repository's paths.
     proc = subprocess.run(["bash", str(REPO / "slurm" / "sft_multinode.sbatch")], cwd=tmp_path,
                           env=subprocess_env(**slurm), capture_output=True, text=True)
