@@ -247,6 +247,14 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
     assert not (bin_dir / "srun.args").exists()
+    # A misspelt RECIPE is named as such, not taken for a recipe without a YAML config.
+    proc = sbatch(expect_rc=2, RECIPE="recipes/qwen3_moe.py")
+    assert proc.stderr.startswith(f"error: RECIPE recipes/qwen3_moe.py: no such file in {REPO} (the recipes: ")
+    listed = proc.stderr.removesuffix(")\n").split("(the recipes: ")[1].split()
+    assert sorted(listed) == sorted(f"recipes/{path.name}" for path in (REPO / "recipes").glob("*.py"))
+    proc = sbatch(expect_rc=2, RECIPE="recipes/qwen3_moe.py", RECIPE_CONFIG="recipes/configs/qwen3_moe_sft.yaml")
+    assert proc.stderr.startswith("error: RECIPE recipes/qwen3_moe.py: no such file")
+    assert not (bin_dir / "srun.args").exists()
     # A --config of the user's would be a second one, refused by the recipe on every node: refused before srun.
     for config in (["--config", "my.yaml"], ["--config=my.yaml"]):
         proc = run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl", *config], expect_rc=2, **slurm)
