@@ -372,6 +372,11 @@ def shard_size_in_bytes(size: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
 
 
+# Keys that take several values as one comma-separated string, which a YAML list of them is not.
+COMMA_SEPARATED = {"dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "eval_split",
+                   "dataset_column_mapping", "fsdp_transformer_layer_cls_to_wrap"}
+
+
 def check_field_types(cfg) -> None:
     """Every field against its annotation. argparse checks only the command line: a YAML value reaches the config
     as written, and a typo there (`save_dtype: bf16`) would otherwise fail hours later, or silently change a run."""
@@ -384,7 +389,9 @@ def check_field_types(cfg) -> None:
                     if isinstance(value, bool) else
                     # A text field given a number (dataset_weights: 0.5, run_name: 2024), which argparse would take.
                     " (YAML reads an unquoted number as a number: quote it)"
-                    if isinstance(value, (int, float)) and _matches("", hints[f.name]) else "")
+                    if isinstance(value, (int, float)) and _matches("", hints[f.name]) else
+                    f" (write several as one comma-separated string: '{','.join(map(str, value))}')"
+                    if isinstance(value, list) and f.name in COMMA_SEPARATED else "")
             raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{hint}")
 
 

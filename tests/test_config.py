@@ -180,6 +180,10 @@ def test_bad_values_are_explained(args, message):
                              r"number: quote it\)$"),
     ("run_name: 2024\nreport_to: wandb", r"^run_name must be a string or null, got 2024 \(YAML reads an unquoted "
                                          r"number as a number: quote it\)$"),
+    # A mixture written as a YAML list: one comma-separated string, as on the command line.
+    ("dataset_weights: [1, 0.5]", r"^dataset_weights must be a string or null, got \[1, 0.5\] \(write several as one "
+                                  r"comma-separated string: '1,0.5'\)$"),
+    ("run_name: [a, b]\nreport_to: wandb", r"^run_name must be a string or null, got \['a', 'b'\]$"),
     # A key that is not a name (a boolean, a number, a list) is named with its line, not a traceback.
     ("no: 3", r"key no is not a name \(YAML reads an unquoted yes, no, on, off, true or false as a boolean: quote it\)"
               r" in .* line 3"),
