@@ -1,8 +1,10 @@
 """Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
+import bz2
 import gzip
 import inspect
 import json
+import lzma
 import os
 import re
 import shutil
@@ -21,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+import zstandard
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, CTRLConfig, CTRLLMHeadModel,
                           GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM,
@@ -1070,12 +1073,16 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     demo.write_jsonl(tmp_path / "mixed" / "c.jsonl", ROWS[25:30])
     datasets.Dataset.from_list(ROWS[30:]).to_parquet(tmp_path / "mixed" / "more" / "d.parquet")
     # Compressed files, alone and in a folder beside an empty part file (as sharded exports write them).
-    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress((tmp_path / "d.jsonl").read_bytes()))
+    compressed = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
+                  "zst": zstandard.ZstdCompressor().compress}
+    for extension, compress in compressed.items():
+        (tmp_path / f"d.jsonl.{extension}").write_bytes(compress((tmp_path / "d.jsonl").read_bytes()))
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "part-0.csv.gz").write_bytes(gzip.compress((tmp_path / "d.csv").read_bytes()))
     (tmp_path / "parts" / "part-1.jsonl").write_text("")
     expected = [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
-    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder", "mixed", "d.jsonl.gz", "parts"]:
+    for name in ["d.jsonl", "d.json", "d.csv", "d.parquet", "saved", "folder", "mixed", "parts",
+                 *(f"d.jsonl.{extension}" for extension in compressed)]:
         train, eval_set = build_datasets(cfg(tmp_path / name), TOKENIZER)
         assert list(train["input_ids"]) == expected, name
         assert eval_set is None
