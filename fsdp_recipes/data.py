@@ -47,13 +47,20 @@ PACKED_FEATURES = datasets.Features({"input_ids": TOKEN_LIST, "labels": TOKEN_LI
 def _tokenize_row(example: dict, index: int, data_code: str, source: tuple[str, str], **kwargs) -> dict:
     # map(with_indices=True) passes the row's index as the second positional argument; data_code only keys the cache.
     try:
-        return tokenize_example(example, row=index + 1, **kwargs)
+        return _tokenize_text_row(example, index, **kwargs)
     except ConfigError as error:  # a bad row of a file also names the file and its line (of a folder's files too)
         origin = row_origin(*source, index)
         if origin is None:
             raise
         row = f"row {index + 1}"
         raise ConfigError(str(error).replace(f"{row}:", f"{row} ({origin}):", 1)) from None
+
+
+def _tokenize_text_row(example: dict, index: int, **kwargs) -> dict:
+    try:
+        return tokenize_example(example, row=index + 1, **kwargs)
+    except UnicodeDecodeError:  # pyarrow's JSON reader keeps bytes that are not UTF-8: read, the row fails
+        raise ConfigError(f"row {index + 1}: not UTF-8 text: save the file as UTF-8") from None
 
 
 def _without_its_path(tokenizer):

@@ -36,8 +36,9 @@ def _file_type(path: str) -> str:
 
 
 def _open_text(path: str):
-    """A data file as text, decompressed as its extension says (fsspec, as datasets opens it)."""
-    return fsspec.open(path, "rt", compression="infer", encoding="utf-8", newline="")
+    """A data file as text, decompressed as its extension says (fsspec, as datasets opens it). Bytes that are not
+    UTF-8 are replaced: they do not move lines, and the error for them names their line (_first_line_not_utf8)."""
+    return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="replace", newline="")
 
 
 def cache_path(name: str) -> str:
@@ -59,6 +60,18 @@ def _is_files_folder(path: str) -> bool:
         return False
     card = os.path.join(path, "README.md")
     return not (os.path.isfile(card) and (metadata_load(card) or {}).get("configs"))
+
+
+def _first_line_not_utf8(path: str) -> Optional[str]:
+    """'line N: reason' for the first line of a text data file that is not UTF-8, else None."""
+    with fsspec.open(path, "rb", compression="infer") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return (f"line {number}: not UTF-8 text ({error.reason} at byte {error.start} of the line): save it "
+                        f"as UTF-8")
+    return None
 
 
 def _first_bad_json_line(path: str) -> Optional[str]:
@@ -115,11 +128,11 @@ def _first_value_is_a_line(path: str) -> bool:
 
 def _parse_error(path: str, error: Exception) -> ConfigError:
     """Name the file and, where it can be found, the line: datasets' own message names neither."""
-    where = None
-    if _file_type(path) == ".jsonl":
+    where = _first_line_not_utf8(path) if _file_type(path) in (".jsonl", ".json", ".csv") else None
+    if where is None and _file_type(path) == ".jsonl":
         # Every line parsing, a field's type changing on a line is what the readers failed on.
         where = _first_bad_json_line(path) or _first_json_type_conflict(path)
-    elif _file_type(path) == ".json":
+    elif where is None and _file_type(path) == ".json":
         try:
             with _open_text(path) as f:
                 json.load(f)

@@ -1453,6 +1453,11 @@ def bad_input_cases(tmp_path):
         (tmp_path / name).write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": null, "completion": "c"}\n'
                                      '{"prompt": 1, "completion": "d"}\n')
     (tmp_path / "latin1.csv").write_bytes("prompt,completion\ncaf\u00e9,x\n".encode("latin-1"))
+    # Not UTF-8 on its second line: JSON lines, and a JSON array (which datasets reads too), compressed or not.
+    latin1_lines = '{"prompt": "a", "completion": "x"}\n{"prompt": "caf\u00e9", "completion": "x"}\n'.encode("latin-1")
+    (tmp_path / "latin1.jsonl").write_bytes(latin1_lines)
+    (tmp_path / "latin1.jsonl.gz").write_bytes(gzip.compress(latin1_lines))
+    (tmp_path / "latin1.json").write_bytes(b"[" + latin1_lines.replace(b"}\n{", b"},\n{") + b"]")
     write_multi_config_copy(tmp_path / "copy")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
@@ -1524,7 +1529,14 @@ def bad_input_cases(tmp_path):
         (cfg("data/chats"), r"dataset_name data/chats: no such file or folder in .*, and the Hub cannot be reached"),
         (cfg(tmp_path / "copy", dataset_config_name="de"), r"copy: dataset_config_name de: BuilderConfig 'de' not "
                                                            r"found. Available: \['main', 'socratic'\]"),
-        (cfg(tmp_path / "latin1.csv"), r"cannot parse .*latin1.csv, 'utf-8' codec can't decode"),
+        (cfg(tmp_path / "latin1.csv"), r"^cannot parse .*latin1.csv, line 2: not UTF-8 text \(invalid continuation "
+                                       r"byte at byte 3 of the line\): save it as UTF-8$"),
+        # pyarrow reads JSON lines that are not UTF-8: the row is refused once read.
+        *[(cfg(tmp_path / name), rf"^{re.escape(str(tmp_path / name))} \[train\]: row 2 \(line 2\): not UTF-8 text: "
+                                 rf"save the file as UTF-8$")
+          for name in ("latin1.jsonl", "latin1.jsonl.gz")],
+        (cfg(tmp_path / "latin1.json"), r"^cannot parse .*latin1.json, line 2: not UTF-8 text \(invalid continuation "
+                                        r"byte at byte 15 of the line\): save it as UTF-8$"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=text,prompt=text"),
          r"renames both 'question' and 'prompt' of .*both.jsonl to 'text': map only one of them"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt, question=completion"),
