@@ -63,8 +63,8 @@ def test_a_hub_id_trains_exports_and_estimates_from_the_offline_cache(tiny, tmp_
     assert (final / "chat_template.jinja").read_text() == (model / "chat_template.jinja").read_text()
     assert load_file(final / "model.safetensors").keys() == load_file(model / "model.safetensors").keys()
     assert [json.loads(line)["prompt"] for line in (out / "samples.jsonl").read_text().splitlines()] == ["reverse: abc"]
-    proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", REPO_ID, "--num_gpus", "2"],
-               HF_HUB_CACHE=str(tmp_path / "hub"))
+    proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", REPO_ID, "--num_gpus", "2",
+                "--seq_len", "64"], HF_HUB_CACHE=str(tmp_path / "hub"))
     assert proc.stdout.startswith("model: LlamaForCausalLM, ")
 
 
