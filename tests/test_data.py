@@ -876,6 +876,17 @@ def test_pack_restarts_positions_and_masks_the_first_label_of_each_example():
     assert flat["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7, 8, 9]]
 
 
+def test_packed_rows_fill_max_seq_length_exactly_where_the_examples_fit():
+    # Lengths 2+4, 3+3, 1+5 and 6 fit 6 exactly; the 2 left over starts the last row.
+    lengths = [2, 4, 3, 3, 1, 5, 6, 2]
+    ids = [list(range(100 * i, 100 * i + n)) for i, n in enumerate(lengths)]
+    packed = pack_examples(pyarrow.table({"input_ids": ids, "labels": ids}), max_seq_length=6).to_pydict()
+    assert [len(row) for row in packed["input_ids"]] == [6, 6, 6, 6, 2]
+    assert [t for row in packed["input_ids"] for t in row] == [t for example in ids for t in example]  # in order
+    assert packed["position_ids"] == [[0, 1, 0, 1, 2, 3], [0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5],
+                                      [0, 1]]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_logits_equal_each_example_alone(tiny, attn):
     model = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32, attn_implementation=attn).eval()
@@ -1631,6 +1642,37 @@ def test_ranks_read_disjoint_equal_parts_in_a_seeded_order():
     assert len(set(epoch0)) == 8  # disjoint: 8 different examples in the 2 ranks' first steps
     assert rank0 == steps(0) and rank0 != steps(0, seed=1)  # the order depends on the seed only
     assert rank0[0] != rank0[1]  # reshuffled every epoch
+
+
+@pytest.mark.parametrize("n_examples, per_epoch", [(12, 12), (11, 8)])
+def test_each_rank_reads_its_own_part_of_every_epoch_exactly_once(n_examples, per_epoch):
+    # Batch 2 on 2 ranks: 12 examples give each rank 3 micro-batches an epoch; 11 give each 5 examples, 2 batches
+    # (drop_last: no example is repeated to even out the ranks).
+    ids = [[i, i] for i in range(n_examples)]
+    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+    def steps(rank, accumulation, n, start_step=0, batch_size=2):
+        loader = build_dataloader(dataset, cfg("unused", per_device_train_batch_size=batch_size), TOKENIZER, rank, 2,
+                                  pin_memory=False)
+        stream = optimizer_step_batches(loader, accumulation, start_step)
+        return [[i for mb in next(stream) for i in mb["input_ids"][:, 0].tolist()] for _ in range(n)]
+
+    steps_per_epoch = per_epoch // 4  # accumulation 1: a step is a micro-batch of 2 on each of the 2 ranks
+    rank0, rank1 = steps(0, 1, 2 * steps_per_epoch), steps(1, 1, 2 * steps_per_epoch)
+    for epoch in (slice(0, steps_per_epoch), slice(steps_per_epoch, None)):
+        part0, part1 = sum(rank0[epoch], []), sum(rank1[epoch], [])
+        assert len(part0) == len(part1) == per_epoch // 2
+        assert len(set(part0 + part1)) == per_epoch  # disjoint parts, no example twice
+    assert sum(rank0[:steps_per_epoch], []) != sum(rank0[steps_per_epoch:], [])  # each epoch in its own order
+    if n_examples == 12:
+        assert sorted(sum(rank0[:3] + rank1[:3], [])) == list(range(12))
+        # accumulation 2: 1 step an epoch, the third micro-batch dropped; a resume at step 2 starts epoch 2.
+        full = steps(0, 2, 3)
+        assert [len(step) for step in full] == [4, 4, 4]
+        assert steps(0, 2, 1, start_step=2) == full[2:]
+        assert steps(0, 1, 2, start_step=4) == rank0[4:6]  # mid-epoch: the rest of epoch 1
+        # batch 1, accumulation 2: 3 steps an epoch; a resume at step 4 skips 2 micro-batches of epoch 1.
+        assert steps(0, 2, 2, start_step=4, batch_size=1) == steps(0, 2, 6, batch_size=1)[4:]
 
 
 def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_path):
