@@ -1,22 +1,27 @@
 """Token-weighted loss: one optimizer step has the same gradient however its global batch is split.
 
 The loss of a step is the sum of per-token losses over all micro-batches and all ranks, divided by the number of
-label tokens in the whole step (see tests/drivers/loss_grads.py for the cases).
+label tokens in the whole step (see tests/drivers/loss_grads.py for the cases). The logged loss, gradient norm,
+token counts and learning rate of a clipped run equal those of a reference step written out here.
 """
 
 import json
+import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, GptOssConfig, Trainer
 
-from fsdp_recipes.config import TrainConfig
-from fsdp_recipes.data import IGNORE_INDEX
+from fsdp_recipes.config import TrainConfig, parse_config
+from fsdp_recipes.data import IGNORE_INDEX, build_dataloader, build_datasets, optimizer_step_batches
+from fsdp_recipes.distributed import DistEnv
+from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model, state_dict_name
-from fsdp_recipes.trainer import build_optimizer, token_loss_sum
+from fsdp_recipes.trainer import build_optimizer, token_loss_sum, train
 
-from conftest import torchrun
+from conftest import read_metrics, torchrun
 
 
 def test_token_loss_sum_is_the_sum_of_next_token_cross_entropies():
@@ -66,3 +71,67 @@ def test_weight_decay_spares_biases_and_norm_weights_of_any_shape(one_process_gr
         assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
         assert {names[id(p)] for p in decay["params"]} == decayed_by_transformers - one_d
         assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+def reference_run(cfg: TrainConfig, train_data, tokenizer, max_grad_norm: float) -> list[dict]:
+    """The logged numbers of cfg.max_steps steps, computed here on an unsharded model with torch's own AdamW and
+    clipping: a step's loss is its label tokens' mean (position 0 is never predicted), and the learning rate is
+    cfg's linear decay from the first step."""
+    model = load_model(cfg)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+         {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=cfg.learning_rate, eps=cfg.adam_epsilon)
+    loader = build_dataloader(train_data, cfg, tokenizer, rank=0, world_size=1, pin_memory=False)
+    stream = optimizer_step_batches(loader, cfg.gradient_accumulation_steps)
+    logged = []
+    for step in range(1, cfg.max_steps + 1):
+        micro_batches = next(stream)
+        tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        loss = sum(token_loss_sum(model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits,
+                                  mb["labels"]) for mb in micro_batches) / tokens
+        loss.backward()
+        grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        scale = min(1.0, max_grad_norm / (grad_norm + 1e-6))  # torch's clip_grad_norm_
+        learning_rate = cfg.learning_rate * (cfg.max_steps - step + 1) / cfg.max_steps
+        for p in model.parameters():
+            p.grad *= scale
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
+        optimizer.step()
+        optimizer.zero_grad()
+        logged.append({"step": step, "loss": loss.item(), "grad_norm": grad_norm, "learning_rate": learning_rate,
+                       "tokens": tokens, "input_tokens": sum(int(mb["attention_mask"].sum()) for mb in micro_batches),
+                       "real_token_share": sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+                       / sum(mb["attention_mask"].numel() for mb in micro_batches)})
+    return logged
+
+
+def test_logged_loss_grad_norm_tokens_and_learning_rate_equal_a_reference_step_with_clipping(tiny, tmp_path,
+                                                                                             one_process_group):
+    # Loss on every token (position 0's label is set, and must not count); adam_epsilon 1 makes AdamW's update
+    # follow the gradient's size, so that the clipping to max_grad_norm shows in the later losses.
+    cfg = parse_config([str(arg) for arg in [
+        "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+        "--completion_only_loss", "false", "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--gradient_accumulation_steps", "2", "--mixed_precision", "no", "--max_seq_length", "64",
+        "--learning_rate", "0.05", "--lr_scheduler_type", "linear", "--warmup_steps", "0", "--adam_epsilon", "1",
+        "--weight_decay", "0.1", "--max_grad_norm", "0.5"]])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True))
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    reference = reference_run(cfg, train_data, tokenizer, cfg.max_grad_norm)
+    for line, expected in zip(logged, reference, strict=True):
+        assert {k: line[k] for k in ("step", "tokens", "input_tokens")} == {
+            k: expected[k] for k in ("step", "tokens", "input_tokens")}
+        assert line["learning_rate"] == pytest.approx(expected["learning_rate"], rel=1e-12)
+        for key in ("loss", "grad_norm", "real_token_share"):
+            assert line[key] == pytest.approx(expected[key], rel=1e-5), (line["step"], key)
+    assert all(m["grad_norm"] > 2 * cfg.max_grad_norm for m in logged)  # every step is clipped
+    # Without the clipping the later losses differ by far more than the tolerance: the comparison can fail.
+    unclipped = reference_run(cfg, train_data, tokenizer, math.inf)
+    assert abs(unclipped[-1]["loss"] - reference[-1]["loss"]) > 1e-3 * reference[-1]["loss"]
