@@ -9,6 +9,7 @@ import dataclasses
 import errno
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -322,6 +324,69 @@ def test_a_checkpoint_with_other_weight_decay_groups_is_refused(tiny, tmp_path, 
         f"project does (it moved model.norm.weight; biases and norm weights get none): resume with the version that "
         f"saved it, or start a fresh run from the weights (`python -m fsdp_recipes.convert "
         f"{tmp_path / 'checkpoint-1'} <out_dir>`)")
+
+
+def rng_draws() -> tuple:
+    """The next numbers of Python's, NumPy's and torch's generators, each of which a checkpoint saves per rank."""
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, tmp_path, one_process_group):
+    """Every key of trainer_state.json and of a rank's RNG file, with its value; load_checkpoint gives the state
+    back and restores the scheduler, the weights, Adam's moments and each generator as they were saved."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+
+    def model_optimizer_scheduler():
+        model = shard_model(load_model(cfg), resolve_plan(cfg))
+        optimizer = build_optimizer(model, cfg)
+        return model, optimizer, get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=6)
+
+    model, optimizer, scheduler = model_optimizer_scheduler()
+    for step in range(2):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, step + 1.0)
+        optimizer.step()
+        scheduler.step()
+    wandb_run = {"wandb_run_id": "run123", "wandb_project": "fsdp-recipes-tests", "wandb_entity": "fsdp-team"}
+    train_identity = training_data_identity(train_data)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    checkpoint = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, 2, 0, wandb_run, train_identity)
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    saved_draws = rng_draws()  # the save draws none: these follow the saved states
+
+    state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state.keys() == {"step", "epoch", "world_size", "format", "model_files", "master_dtype",
+                            "loaded_in_model_layout", "scheduler", "wandb_run_id", "wandb_project", "wandb_entity",
+                            "config", "train_data"}
+    assert {k: v for k, v in state.items() if k not in ("model_files", "scheduler", "config")} == {
+        "step": 2, "epoch": 0, "world_size": 1, "format": "sharded", "master_dtype": "float32",
+        "loaded_in_model_layout": True, **wandb_run, "train_data": train_identity}
+    assert state["config"] == cfg.to_dict() and state["config"]["learning_rate"] == 1e-2
+    assert state["scheduler"] == json.loads(json.dumps(scheduler.state_dict()))
+    assert state["scheduler"]["last_epoch"] == 2 and state["scheduler"]["_last_lr"] == pytest.approx([0.01 * 0.9045] * 2,
+                                                                                                     rel=1e-4)
+    assert state["model_files"] == sorted(
+        str(p.relative_to(checkpoint)) for p in Path(checkpoint).rglob("*")
+        if p.is_file() and p.relative_to(checkpoint).parts[0] not in ("rng", "model", "optimizer", "trainer_state.json"))
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(state["model_files"])
+    rng = torch.load(tmp_path / "checkpoint-2" / "rng" / "rank_0.pt", weights_only=True)
+    assert rng.keys() == {"python", "numpy", "torch"}  # and "cuda" where CUDA runs
+
+    resumed, resumed_optimizer, resumed_scheduler = model_optimizer_scheduler()
+    random.seed(10), np.random.seed(20), torch.manual_seed(30)
+    assert load_checkpoint(checkpoint, resumed, resumed_optimizer, resumed_scheduler) == state
+    assert rng_draws() == saved_draws
+    assert resumed_scheduler.state_dict() == scheduler.state_dict()
+    assert [g["lr"] for g in resumed_optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    names = {state_dict_name(name): param for name, param in resumed.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.equal(full(names[state_dict_name(name)]), full(param)), name
+        saved, loaded = optimizer.state[param], resumed_optimizer.state[names[state_dict_name(name)]]
+        assert saved.keys() == loaded.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in saved:
+            assert torch.equal(full(loaded[key]), full(saved[key])), (name, key)
 
 
 def record_fsync_and_replace(monkeypatch) -> list[tuple]:
