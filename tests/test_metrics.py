@@ -20,13 +20,18 @@ import wandb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
-from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data_formats import IGNORE_INDEX
 from fsdp_recipes.device_stats import flops_model
+from fsdp_recipes.distributed import DistEnv
 from fsdp_recipes.evaluation import eval_batches, perplexity
 from fsdp_recipes.flops import training_flops_per_token
 from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.model import load_model, load_tokenizer
+from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
+from fsdp_recipes.sharding import shard_model
+from fsdp_recipes.trainer import evaluate
 from wandb_records import read_records, run_summary
 
 RECIPE = "recipes/llama_sft.py"
@@ -159,6 +164,30 @@ def test_eval_loss_equals_the_whole_split_in_one_process(observed):
     assert "eval at step 6: loss" in observed["resumed"].stdout
     # The step's checkpoint is saved before its evaluation starts: an evaluation that fails loses no step.
     assert [r["checkpoints"] for r in results[0]] == [["checkpoint-2"], ["checkpoint-2", "checkpoint-4"]]
+
+
+def test_eval_loss_is_the_mean_over_label_tokens_from_position_1_counted_by_hand(tiny, one_process_group):
+    """Position 0 is never predicted: its label, set in A, counts for nothing. Labels counted by hand: A 4, B 1
+    (position 1 masked), C 2; 8 if position 0 were counted, 6 without C's last. Batches of 2: A and B padded
+    together, then C."""
+    examples = [{"input_ids": [1, 5, 6, 7, 4], "labels": [1, 5, 6, 7, 4]},
+                {"input_ids": [1, 8, 9], "labels": [IGNORE_INDEX, IGNORE_INDEX, 9]},
+                {"input_ids": [1, 5, 4, 6], "labels": [IGNORE_INDEX, IGNORE_INDEX, 4, 6]}]
+    cfg = TrainConfig(model_name_or_path=str(tiny["model"]), dataset_name="unused", mixed_precision="no",
+                      per_device_eval_batch_size=2)
+    tokenizer = load_tokenizer(cfg)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    plain = load_model(cfg)
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    result = evaluate(model, examples, cfg, tokenizer, env)
+    loss_sum = 0.0
+    with torch.no_grad():  # each example alone, unpadded: minus the log-probability of each label from position 1
+        for ex in examples:
+            log_probs = plain(input_ids=torch.tensor([ex["input_ids"]])).logits[0].log_softmax(-1)
+            loss_sum -= sum(log_probs[t - 1, label].item() for t, label in enumerate(ex["labels"])
+                            if t > 0 and label != IGNORE_INDEX)
+    assert result["eval/loss"] == pytest.approx(loss_sum / 7, rel=1e-6)
+    assert result["eval/perplexity"] == pytest.approx(math.exp(loss_sum / 7), rel=1e-6)
 
 
 def test_eval_batch_defaults_to_the_training_micro_batch():
