@@ -38,6 +38,7 @@ from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, c
 from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
                                       turn_closing_token_id)
 from fsdp_recipes.data_sources import carve_eval, load_split
+from fsdp_recipes.model import load_tokenizer
 from fsdp_recipes.trainer import token_loss_sum
 
 from conftest import REPO, read_metrics, subprocess_env, torchrun
@@ -1673,6 +1674,27 @@ def test_each_rank_reads_its_own_part_of_every_epoch_exactly_once(n_examples, pe
         assert steps(0, 1, 2, start_step=4) == rank0[4:6]  # mid-epoch: the rest of epoch 1
         # batch 1, accumulation 2: 3 steps an epoch; a resume at step 4 skips 2 micro-batches of epoch 1.
         assert steps(0, 2, 2, start_step=4, batch_size=1) == steps(0, 2, 6, batch_size=1)[4:]
+
+
+def test_examples_hold_the_tokenizers_bos_and_eos_and_are_padded_with_its_pad_token(tmp_path):
+    # Llama 3's tokenizer has no pad token: load_tokenizer gives it its EOS, which the exported tokenizer names
+    # as the one training padded with; so the batches must be padded with that id, not with a fixed one.
+    source = demo.build_tokenizer()
+    source.pad_token = None
+    source.save_pretrained(tmp_path / "tokenizer")
+    demo.write_jsonl(tmp_path / "text.jsonl", [{"text": "abcdef"}])
+    demo.write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "ab", "completion": "c"}])
+    config = cfg(f"{tmp_path}/text.jsonl,{tmp_path}/pc.jsonl", tokenizer_name_or_path=str(tmp_path / "tokenizer"),
+                 per_device_train_batch_size=2)
+    tokenizer = load_tokenizer(config)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 4, 4)
+    train, _ = build_datasets(config, tokenizer)
+    batch = next(iter(build_dataloader(train, config, tokenizer, rank=0, world_size=1, pin_memory=False)))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert sorted(lengths) == [5, 8]  # <|bos|>abc<|end|>, <|bos|>abcdef<|end|>
+    for ids, n in zip(batch["input_ids"].tolist(), lengths):
+        assert ids[0] == tokenizer.bos_token_id and ids[n - 1] == tokenizer.eos_token_id
+        assert ids[n:] == [tokenizer.pad_token_id] * (8 - n)
 
 
 def test_recipe_trains_a_packed_mixture_with_eval_split_on_two_ranks(tiny, tmp_path):
