@@ -1294,6 +1294,19 @@ def test_column_mapping_and_weighted_mixture(tmp_path):
     assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
 
 
+def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(tmp_path):
+    demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
+
+    def kept(seed):  # the numbers of the examples kept, in the order trained
+        train, _ = build_datasets(cfg(tmp_path / "a.jsonl", dataset_weights="0.38", seed=seed), TOKENIZER)
+        return [int(TOKENIZER.decode(ids[2:-1])) for ids in train["input_ids"]]  # <|bos|>a<digits><|end|>
+
+    subset = kept(seed=1)
+    assert len(subset) == len(set(subset)) == 8  # round(0.38 x 20): 7.6 -> 8, none twice
+    assert subset == kept(seed=1)
+    assert sorted(subset) != sorted(kept(seed=2)) and sorted(subset) != list(range(8))  # drawn, by the seed
+
+
 def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys):
     demo.write_jsonl(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 10, 30, 40)])
     train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16), TOKENIZER)

@@ -4,6 +4,8 @@ settings that cannot work. accelerate exports its config as these variables; the
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.checkpoint import resolve_state_dict_type
@@ -283,6 +285,28 @@ def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the
 def tiny_model(dtype=torch.float32, **config):
     return demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32, intermediate_size=64,
                                                         num_hidden_layers=1, **config)).to(dtype)
+
+
+def mixed_precision_of_each_unit(model) -> list[tuple]:
+    """(compute dtype, gradient reduce dtype) of each FSDP unit, as the engine holds them (None: the parameters')."""
+    if isinstance(model, FSDP):
+        policies = [unit.mixed_precision for unit in FSDP.fsdp_modules(model)]
+    else:
+        policies = [unit._get_fsdp_state()._fsdp_param_group.mp_policy for unit in model.modules()
+                    if isinstance(unit, FSDPModule)]
+    return [(policy.param_dtype, policy.reduce_dtype) for policy in policies]
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32_in_every_unit(fsdp_version):
+    # A bf16 reduce-scatter would round each sum of the ranks' gradients to bf16 (8 bits of mantissa).
+    for mixed_precision, dtype, expected in [("bf16", torch.float32, (torch.bfloat16, torch.float32)),
+                                             ("no", torch.float32, (None, None)),
+                                             ("pure_bf16", torch.bfloat16, (None, None))]:
+        plan = plan_for("--fsdp_version", str(fsdp_version), "--mixed_precision", mixed_precision)
+        with process_group_of(2):
+            model = shard_model(tiny_model(dtype), plan, torch.device("cpu"))
+            assert mixed_precision_of_each_unit(model) == [expected] * 2, mixed_precision  # the layer and the root
 
 
 def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
