@@ -3,6 +3,7 @@ held-out split, progress and sample generations. One 2-process run of 4 steps, r
 
 import fcntl
 import io
+import itertools
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import termios
 import time
+import types
 
 import pytest
 import torch
@@ -20,7 +22,9 @@ import wandb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
+from fsdp_recipes import trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
+from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
 from fsdp_recipes.data_formats import IGNORE_INDEX
 from fsdp_recipes.device_stats import flops_model
 from fsdp_recipes.distributed import DistEnv
@@ -31,7 +35,6 @@ from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
 from fsdp_recipes.sharding import shard_model
-from fsdp_recipes.trainer import evaluate
 from wandb_records import read_records, run_summary
 
 RECIPE = "recipes/llama_sft.py"
@@ -179,7 +182,7 @@ def test_eval_loss_is_the_mean_over_label_tokens_from_position_1_counted_by_hand
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     plain = load_model(cfg)
     model = shard_model(load_model(cfg), resolve_plan(cfg))
-    result = evaluate(model, examples, cfg, tokenizer, env)
+    result = trainer.evaluate(model, examples, cfg, tokenizer, env)
     loss_sum = 0.0
     with torch.no_grad():  # each example alone, unpadded: minus the log-probability of each label from position 1
         for ex in examples:
@@ -188,6 +191,30 @@ def test_eval_loss_is_the_mean_over_label_tokens_from_position_1_counted_by_hand
                             if t > 0 and label != IGNORE_INDEX)
     assert result["eval/loss"] == pytest.approx(loss_sum / 7, rel=1e-6)
     assert result["eval/perplexity"] == pytest.approx(math.exp(loss_sum / 7), rel=1e-6)
+
+
+def test_throughput_counts_the_steps_since_the_last_log(tiny, tmp_path, one_process_group, monkeypatch):
+    """logging_steps 2: each logged tokens/s is the input tokens of the 2 steps since the previous log over their
+    time, not a running total since the start. The trainer's clock ticks 1 s per reading: each step takes 1 s."""
+    cfg = parse_config([str(arg) for arg in [
+        "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+        "--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "4", "--mixed_precision", "no",
+        "--max_seq_length", "64"]])
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+    loader = build_dataloader(train_data, cfg, tokenizer, rank=0, world_size=1, pin_memory=False)
+    stream = optimizer_step_batches(loader, cfg.gradient_accumulation_steps)
+    input_tokens = [sum(int(mb["attention_mask"].sum()) for mb in next(stream)) for _ in range(6)]
+    assert len(set(input_tokens)) > 2  # steps of other lengths: a running mean would differ
+    clock = itertools.count()
+    monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    trainer.train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True))
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(m["step"], m["input_tokens"], m["step_time"]) for m in logged] == [
+        (2, input_tokens[1], 1.0), (4, input_tokens[3], 1.0), (6, input_tokens[5], 1.0)]
+    assert [m["tokens_per_second"] for m in logged] == [(input_tokens[k] + input_tokens[k + 1]) / 2 for k in (0, 2, 4)]
 
 
 def test_eval_batch_defaults_to_the_training_micro_batch():
