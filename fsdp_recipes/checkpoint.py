@@ -221,6 +221,18 @@ _LOCK_NAME = ".run.lock"
 _held_locks: dict[str, int] = {}  # real path of an output_dir -> the open lock file this process holds in it
 
 
+def _close_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, a datasets.map process): its copy of the lock file would hold the
+    lock after rank 0 ends, until the child notices, and a resume started at once would be refused. Close, never
+    unlock: the lock belongs to the open file that rank 0 shares with it."""
+    for fd in _held_locks.values():
+        os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 def lock_output_dir(out: str) -> Optional[str]:
     """Rank 0 holds an exclusive lock on `<out>/.run.lock` until its process ends (the kernel releases it then, kill
     -9 included): two runs started into one output_dir would both pass prepare_output_dir, then overwrite each

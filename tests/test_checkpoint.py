@@ -7,6 +7,7 @@ world-size tests also FSDP1's.
 
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import random
@@ -365,11 +366,12 @@ def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, 
         "loaded_in_model_layout": True, **wandb_run, "train_data": train_identity}
     assert state["config"] == cfg.to_dict() and state["config"]["learning_rate"] == 1e-2
     assert state["scheduler"] == json.loads(json.dumps(scheduler.state_dict()))
-    assert state["scheduler"]["last_epoch"] == 2 and state["scheduler"]["_last_lr"] == pytest.approx([0.01 * 0.9045] * 2,
-                                                                                                     rel=1e-4)
+    assert state["scheduler"]["last_epoch"] == 2
+    assert state["scheduler"]["_last_lr"] == pytest.approx([0.01 * 0.9045] * 2, rel=1e-4)
+    written_by_resume = ("rng", "model", "optimizer", "trainer_state.json")
     assert state["model_files"] == sorted(
         str(p.relative_to(checkpoint)) for p in Path(checkpoint).rglob("*")
-        if p.is_file() and p.relative_to(checkpoint).parts[0] not in ("rng", "model", "optimizer", "trainer_state.json"))
+        if p.is_file() and p.relative_to(checkpoint).parts[0] not in written_by_resume)
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(state["model_files"])
     rng = torch.load(tmp_path / "checkpoint-2" / "rng" / "rank_0.pt", weights_only=True)
     assert rng.keys() == {"python", "numpy", "torch"}  # and "cuda" where CUDA runs
@@ -1143,6 +1145,24 @@ def test_a_second_run_into_an_output_dir_in_use_is_refused_until_the_first_ends(
     proc = run(args, expect_rc=2)  # the output_dir is free again; the run goes on to read its data
     assert "no_such_data.jsonl" in proc.stderr.strip().splitlines()[-1]
     assert sorted(os.listdir(tmp_path)) == [".run.lock"]
+
+
+def test_the_lock_ends_with_rank_0_though_a_forked_worker_lives_on(tmp_path):
+    # A DataLoader worker forked by rank 0 outlives it by up to 5 s (until it notices) and ignores SLURM's SIGTERM:
+    # with rank 0's copy of the lock file open, a resume started at once was refused as a second run.
+    # The worker closes its stdin, stdout and stderr, as the pipe of run() would wait for it.
+    rank0 = ("import os, sys, time; from fsdp_recipes.checkpoint import lock_output_dir; "
+             "assert lock_output_dir(sys.argv[1]) is None; child = os.fork(); "
+             "child or (os.closerange(0, 3), time.sleep(600)); print(child, flush=True); os._exit(0)")
+    holder = subprocess.run([sys.executable, "-c", rank0, tmp_path], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env(), check=True)
+    worker = int(holder.stdout)
+    try:
+        with open(tmp_path / ".run.lock") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the worker held it
+        os.kill(worker, 0)  # the worker was alive all along
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
