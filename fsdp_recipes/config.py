@@ -45,8 +45,8 @@ class TrainConfig:
     # Data (see README, "Data").
     dataset_name: Optional[str] = field(
         default=None,
-        metadata={"help": "Hub id, a local json/jsonl/csv/parquet file, or a saved datasets folder; several, "
-                          "comma-separated, for a mixture."},
+        metadata={"help": "Hub id, a local json/jsonl/csv/parquet file, a folder of such files, or a saved datasets "
+                          "folder; several, comma-separated, for a mixture."},
     )
     dataset_weights: Optional[str] = field(
         default=None,
@@ -266,6 +266,10 @@ class TrainConfig:
             raise ConfigError(f"num_train_epochs must be positive when max_steps is -1, got {self.num_train_epochs}")
         if not 0 <= self.eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_split and not self.eval_split.replace(",", "").strip():
+            # Every data set's entry empty: no held-out split, while the eval settings would count as used.
+            raise ConfigError(f"eval_split {self.eval_split!r} names no split: name the held-out split (one for all "
+                              f"data sets, or one per data set, comma-separated), or leave eval_split unset")
         if self.eval_split and self.eval_fraction:
             raise ConfigError("set eval_split or eval_fraction, not both")
         if self.eval_steps < 0:

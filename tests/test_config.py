@@ -138,6 +138,9 @@ def test_unknown_cli_flag_is_named():
          r"save_steps N to save one every N steps, or leave save_total_limit unset$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--save_total_limit", "2", "--save_state_dict_type",
           "full"], r"^save_total_limit and save_state_dict_type apply to checkpoints"),
+        (["--model_name_or_path", "m", "--dataset_name", "a.jsonl,b.jsonl", "--eval_split", ",",
+          "--eval_steps", "5"], r"^eval_split ',' names no split: name the held-out split \(one for all data sets, or "
+                                r"one per data set, comma-separated\), or leave eval_split unset$"),
         # argparse's own errors, as one line that names the command line.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "ten"],
          "the command line: argument --max_steps/--max-steps: invalid integer value: 'ten'"),
