@@ -13,7 +13,7 @@ from transformers import get_scheduler
 
 from fsdp_recipes.checkpoint import load_checkpoint
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.distributed import distributed
+from fsdp_recipes.distributed import distributed, exit_process
 from fsdp_recipes.model import load_model
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model
@@ -35,3 +35,4 @@ with distributed() as env:
     if env.is_main:
         torch.save({"model": model_sd, "optimizer": optim_sd, "lr": scheduler.get_last_lr(),
                     "group_lr": [group["lr"] for group in optimizer.param_groups]}, out)
+exit_process(0)  # past the interpreter's teardown, where a gloo rank can abort (exit -6) once its work is done
