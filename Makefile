@@ -14,7 +14,7 @@ RECIPES_DIR ?= recipes
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first: with it in place, requirements.txt's torch>=2.6 is already met and pip pulls no other build.
+	# torch first: with it in place, requirements.txt's torch>=2.11 is already met and pip pulls no other build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -r requirements.txt -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -e .
