@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from transformers import AutoTokenizer
 
-from .config import ConfigError, TrainConfig
+from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
@@ -72,7 +72,7 @@ _SAVE_RE = re.compile(r"^checkpoint-\d+(\.tmp|\.old)?$")
 # Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
 # config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
 _RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
-                        "output_router_logits", "router_aux_loss_coef"}
+                        *ROUTER_LOSS_KEYS}
 # Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
 # points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
 # back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
@@ -498,8 +498,12 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     differ = model_config_differences(saved, model.config.to_dict())
     if differ:
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
-    recorded = {**state, "master_dtype": saved_master_dtype(path, state)}
-    differ = training_config_differences(recorded, cfg, dist.get_world_size(), master_dtype(model))
+    # The router-loss settings as each run trained with them: unset in the recipe config means config.json's value
+    # (the checkpoint's config.json keeps the model's own, see export.write_model_files).
+    trained = {k: saved.get(k) for k in ROUTER_LOSS_KEYS if state["config"].get(k, 0) is None}
+    recorded = {**state, "config": {**state["config"], **trained}, "master_dtype": saved_master_dtype(path, state)}
+    now = dataclasses.replace(cfg, **{k: getattr(model.config, k, None) for k in ROUTER_LOSS_KEYS})
+    differ = training_config_differences(recorded, now, dist.get_world_size(), master_dtype(model))
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
                               f"resume continues that run, whose data position and optimizer settings the checkpoint "

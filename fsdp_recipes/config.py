@@ -362,6 +362,8 @@ def looked_in(path: str) -> str:
     return "" if os.path.isabs(os.path.expanduser(path)) else f" in {os.getcwd()}"
 
 
+# The TrainConfig keys that are set on the model's config (the MoE router loss), where None keeps config.json's value.
+ROUTER_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

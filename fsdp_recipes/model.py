@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from .config import ConfigError, TrainConfig, is_local_path, looked_in
+from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
 from .distributed import long_wait_group, run_on_rank0
 from .families import hub_cache_miss, model_load_error
 from .plan import ShardingPlan
@@ -76,8 +76,7 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
     """Model config attributes the recipe config sets (the MoE router loss), and the values config.json has for them,
     which the exported folders keep (batched generate fails with output_router_logits on). One the model lacks is
     an error."""
-    overrides = {key: getattr(cfg, key) for key in ("output_router_logits", "router_aux_loss_coef")
-                 if getattr(cfg, key) is not None}
+    overrides = {key: getattr(cfg, key) for key in ROUTER_LOSS_KEYS if getattr(cfg, key) is not None}
     if not overrides:
         return {}, {}
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
@@ -1336,6 +1336,37 @@ def test_a_resume_keeps_the_router_loss_settings_of_the_checkpoint():
     changed = dataclasses.replace(cfg, output_router_logits=None, router_aux_loss_coef=0.01)
     assert training_config_differences(state, changed, 1, "float32") == [
         "output_router_logits: checkpoint True, now None", "router_aux_loss_coef: checkpoint 0.001, now 0.01"]
+
+
+def test_a_resume_compares_the_router_loss_the_model_trained_with(tiny, one_process_group, tmp_path):
+    # Unset in the recipe config means config.json's value: a resume that writes that value out continues the
+    # same run (it was refused as "checkpoint None, now True"); one that changes what the model trained with is not.
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2,
+                            num_experts_per_tok=1, moe_intermediate_size=16, max_position_embeddings=64,
+                            output_router_logits=True, router_aux_loss_coef=0.001,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    args = ["--model_name_or_path", str(tmp_path / "moe"), "--dataset_name", str(tiny["data"]), "--output_dir",
+            str(tmp_path / "run"), "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "4",
+            "--mixed_precision", "no", "--max_seq_length", "64"]
+    run([sys.executable, "recipes/qwen3_moe_sft.py", *args, "--max_steps", "2"])
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+
+    def resume(*extra):
+        cfg = parse_config([*args, "--resume_from_checkpoint", str(checkpoint), *extra])
+        tokenizer = load_tokenizer(cfg)
+        return resolve_resume(cfg, load_model(cfg), tokenizer, build_datasets(cfg, tokenizer)[0])
+
+    assert resume() == str(checkpoint)
+    assert resume("--output_router_logits", "true", "--router_aux_loss_coef", "0.001") == str(checkpoint)
+    with pytest.raises(CheckpointError, match=r"\(output_router_logits: checkpoint True, now False; "
+                                              r"router_aux_loss_coef: checkpoint 0.001, now 0.01\)"):
+        resume("--output_router_logits", "false", "--router_aux_loss_coef", "0.01")
 
 
 def test_a_checkpoint_from_before_the_master_dtype_record_is_compared_by_its_adam_moments(
