@@ -50,6 +50,10 @@ def test_the_recipe_format_over_accelerate_local_state_dict_is_reported(accelera
     assert plan_for("--save_state_dict_type", "sharded", "--save_steps", "10").overrides == [
         "save_state_dict_type: recipe config 'sharded' overrides accelerate config fsdp_state_dict_type "
         "'LOCAL_STATE_DICT'"]
+    # The format the accelerate config names, set again in the recipe config, overrides nothing.
+    for env_format, recipe_format in [("SHARDED_STATE_DICT", "sharded"), ("FULL_STATE_DICT", "full")]:
+        accelerate_env.setenv("FSDP_STATE_DICT_TYPE", env_format)
+        assert plan_for("--save_state_dict_type", recipe_format, "--save_steps", "10").overrides == []
 
 
 def test_accelerate_settings_apply_and_recipe_overrides_are_reported(accelerate_env):
