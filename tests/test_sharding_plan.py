@@ -75,21 +75,22 @@ def test_recipe_fsdp_version_2_over_an_fsdp1_accelerate_config(accelerate_env):
     accelerate_env.setenv("FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE")
     plan = plan_for("--fsdp_version", "2")
     assert (plan.fsdp_version, plan.backward_prefetch) == (2, None)
-    assert plan.overrides == ["fsdp_version: recipe config 2 overrides accelerate config 1",
-                              "fsdp_backward_prefetch: accelerate config 'BACKWARD_PRE' is an FSDP1 setting, not "
-                              "applied with fsdp_version 2 (FSDP2 always prefetches)"]
+    version_note, prefetch_note = ("fsdp_version: recipe config 2 overrides accelerate config 1",
+                                   "fsdp_backward_prefetch: accelerate config 'BACKWARD_PRE' is an FSDP1 setting, "
+                                   "not applied with fsdp_version 2 (FSDP2 always prefetches)")
+    assert plan.overrides == [version_note, prefetch_note]
     # Its strategy, under either key (`accelerate config` writes it as fsdp_reshard_after_forward), is applied in
-    # FSDP2's terms, or replaced by the recipe config's own fsdp_reshard_after_forward; the plan says which.
+    # FSDP2's terms, or replaced by the recipe config's own fsdp_reshard_after_forward; the plan says which, once.
     for key in ("FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD"):
         accelerate_env.setenv(key, "SHARD_GRAD_OP")
         plan = plan_for("--fsdp_version", "2")
         assert (plan.fsdp_version, plan.reshard_after_forward, plan.sharding_strategy) == (2, False, "SHARD_GRAD_OP")
-        assert plan.overrides[1] == (f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) applied as "
-                                     f"fsdp_reshard_after_forward false with fsdp_version 2")
+        assert plan.overrides == [version_note, f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) applied as "
+                                                f"fsdp_reshard_after_forward false with fsdp_version 2", prefetch_note]
         plan = plan_for("--fsdp_version", "2", "--fsdp_reshard_after_forward", "true")
-        assert plan.reshard_after_forward and plan.overrides[1] == (
-            f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) replaced by the recipe config's "
-            f"fsdp_reshard_after_forward true")
+        assert plan.reshard_after_forward and plan.overrides == [
+            version_note, f"{key.lower()}: accelerate config SHARD_GRAD_OP (FSDP1) replaced by the recipe config's "
+                          f"fsdp_reshard_after_forward true", prefetch_note]
         # HYBRID_SHARD's replicas come from elsewhere in FSDP2 (dp_replicate_size): no translation is made.
         accelerate_env.setenv(key, "HYBRID_SHARD")
         with pytest.raises(ConfigError, match=f"^the accelerate config sets {key.lower()} HYBRID_SHARD, an FSDP1 "
