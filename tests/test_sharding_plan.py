@@ -125,6 +125,13 @@ def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
     assert (plan.sharding_strategy, plan.reshard_after_forward) == ("SHARD_GRAD_OP", False)
     accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "true")
     assert plan_for().sharding_strategy == "FULL_SHARD"
+    # Two strategies under the two keys are an error, unless the recipe config's own strategy replaces them.
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "NO_SHARD")
+    accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "SHARD_GRAD_OP")
+    plan = plan_for("--fsdp_sharding_strategy", "FULL_SHARD")
+    assert (plan.sharding_strategy, plan.reshard_after_forward) == ("FULL_SHARD", True)
+    assert plan.overrides == ["fsdp_sharding_strategy: recipe config 'FULL_SHARD' overrides accelerate config "
+                              "'SHARD_GRAD_OP'"]
 
 
 def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
