@@ -4,7 +4,7 @@ settings that cannot work. accelerate exports its config as these variables; the
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import BackwardPrefetch, FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from fsdp_recipes import demo, fsdp1
@@ -168,6 +168,21 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
         assert plan_for().reshard_after_forward is reshard
 
 
+def test_fsdp1_units_prefetch_as_the_accelerate_config_says(accelerate_env):
+    # accelerate's three values, and torch's default (BACKWARD_PRE) without the key.
+    accelerate_env.setenv("FSDP_VERSION", "1")
+    for value, expected in [("BACKWARD_POST", BackwardPrefetch.BACKWARD_POST), ("NO_PREFETCH", None),
+                            (None, BackwardPrefetch.BACKWARD_PRE)]:
+        if value is None:
+            accelerate_env.delenv("FSDP_BACKWARD_PREFETCH", raising=False)
+        else:
+            accelerate_env.setenv("FSDP_BACKWARD_PREFETCH", value)
+        plan = plan_for("--mixed_precision", "no")
+        with process_group_of(2):
+            model = shard_model(tiny_model(), plan, torch.device("cpu"))
+            assert [unit.backward_prefetch for unit in FSDP.fsdp_modules(model)] == [expected] * 2, value
+
+
 def test_fsdp1_offload_accumulates_with_one_reduction_per_step(accelerate_env):
     accelerate_env.setenv("FSDP_VERSION", "1")
     accelerate_env.setenv("FSDP_OFFLOAD_PARAMS", "true")
@@ -222,6 +237,7 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
     ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
     ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
+    ({"FSDP_IGNORED_MODULES": "model.embed_tokens"}, [], "^fsdp_ignored_modules is not supported: remove it"),
     ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [],
      "the accelerate config sets fsdp_backward_prefetch, an FSDP1 setting"),
     ({}, ["--fsdp_version", "1", "--dp_replicate_size", "2"], "^dp_replicate_size 2 needs fsdp_sharding_strategy "
