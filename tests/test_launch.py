@@ -158,6 +158,7 @@ def test_the_launchers_give_their_ranks_the_time_sigterm_comes_early(tmp_path, m
     ("accelerate_configs/fsdp2.yaml", [], (16,)),
     ("accelerate_configs/fsdp1.yaml", [], (16,)),  # any accelerate config: FSDP1's FULL_SHARD
     (None, ["--dp_replicate_size", "1"], (16,)),
+    (None, ["--fsdp_version", "1", "--dp_replicate_size", "1"], (16,)),  # FSDP1's FULL_SHARD
     # Another layout on 2 nodes of 8 GPUs: the recipe config's dp_replicate_size wins.
     (None, ["--dp_replicate_size", "4"], (4, 4)),
 ])
