@@ -6,13 +6,14 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import BackwardPrefetch, FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
-                                   describe_plan, find_layer_classes, shard_model)
+                                   describe_plan, find_layer_classes, shard_model, size_based_units)
 from test_accelerate_configs import process_group_of
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
@@ -294,6 +295,16 @@ def test_size_based_units_take_layer_classes_for_checkpointing_and_compile(accel
     with process_group_of(2):
         printed = describe_plan(shard_model(tiny_model(), plan, torch.device("cpu")), plan)
     assert "  activation checkpointing: each LlamaMLP" in printed.splitlines()
+
+
+def test_a_module_of_exactly_min_num_params_is_a_size_based_unit():
+    # "fsdp_min_num_params parameters or more", as the plan prints it and FSDP1's own size policy counts.
+    model = tiny_model()
+    mlp = model.model.layers[0].mlp
+    size = sum(p.numel() for p in mlp.parameters())
+    assert size_based_auto_wrap_policy(mlp, recurse=False, nonwrapped_numel=size, min_num_params=size)
+    assert mlp in size_based_units(model, size, tied=set())
+    assert mlp not in size_based_units(model, size + 1, tied=set())
 
 
 def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the_decoder_layers(accelerate_env):
