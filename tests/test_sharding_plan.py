@@ -13,7 +13,8 @@ from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
-                                   describe_plan, find_layer_classes, shard_model, size_based_units)
+                                   describe_plan, find_layer_classes, gradient_sync, shard_model,
+                                   size_based_units)
 from test_accelerate_configs import process_group_of
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
@@ -346,6 +347,28 @@ def test_bf16_computes_in_bf16_and_reduces_gradients_in_fp32_in_every_unit(fsdp_
         with process_group_of(2):
             model = shard_model(tiny_model(dtype), plan, torch.device("cpu"))
             assert mixed_precision_of_each_unit(model) == [expected] * 2, mixed_precision  # the layer and the root
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_the_plan_names_the_dtype_gradients_accumulate_in_between_syncs(monkeypatch, one_process_group, fsdp_version):
+    # With bf16, FSDP1's no_sync holds the full gradients in the compute dtype (on one rank torch runs it as
+    # NO_SHARD, which holds them alike); FSDP2 in the reduction dtype (fp32).
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plan = plan_for("--fsdp_version", str(fsdp_version), "--mixed_precision", "bf16", "--gradient_sync",
+                    "last_micro_batch", "--gradient_accumulation_steps", "2")
+    model = shard_model(tiny_model(), plan, torch.device("cpu"))
+    ids = torch.arange(8).unsqueeze(0)
+    with gradient_sync(model, enabled=False):
+        model(input_ids=ids, labels=ids).loss.backward()
+    if fsdp_version == 1:
+        held = {unit._handle.flat_param.grad.dtype for unit in FSDP.fsdp_modules(model)}
+    else:
+        held = {param.unsharded_accumulated_grad.dtype for unit in model.modules() if isinstance(unit, FSDPModule)
+                for param in unit._get_fsdp_state()._fsdp_param_group.fsdp_params}
+    assert held in ({torch.bfloat16}, {torch.float32})
+    in_bf16 = " in bf16" if held == {torch.bfloat16} else ""
+    assert (f"  gradient sync: last micro-batch of each step, full gradients accumulate{in_bf16} in between"
+            in describe_plan(model, plan).splitlines())
 
 
 def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
