@@ -53,6 +53,12 @@ def test_data_too_small_for_one_step_says_which_key_to_change():
                                           "gradient_accumulation_steps=8: lower it or add data$"):
         count_total_steps(config("--gradient_accumulation_steps", "8"), examples, world_size=2)
     assert count_total_steps(config("--gradient_accumulation_steps", "2", "--num_train_epochs", "3"), examples, 2) == 6
+    # Exactly one batch on each rank is enough.
+    assert count_total_steps(config("--per_device_train_batch_size", "5"), examples, world_size=2) == 1
+    # With max_steps too: no epoch gives a step (the data stream would divide by its 0 steps an epoch).
+    with pytest.raises(ConfigError, match="^one epoch gives each rank 5 micro-batches, fewer than "
+                                          "gradient_accumulation_steps=8"):
+        count_total_steps(config("--gradient_accumulation_steps", "8", "--max_steps", "3"), examples, world_size=2)
     with pytest.raises(ConfigError, match=r"^num_train_epochs 1e-09 of 5 steps an epoch is no optimizer step: raise "
                                           "num_train_epochs, or set max_steps$"):
         count_total_steps(config("--num_train_epochs", "1e-9"), examples, world_size=2)
