@@ -27,9 +27,11 @@ def test_an_fp32_export_is_answered_in_bf16_under_a_flash_kernel(tiny, tmp_path)
     """Flash kernels refuse fp32 queries (transformers only warns at the load): an fp32 folder (save_dtype float32)
     loads in bf16 for them; other folders and other attention implementations keep the folder's dtype."""
     fp32 = write_tiny_model(tmp_path / "fp32", dtype=torch.float32)
+    fp16 = write_tiny_model(tmp_path / "fp16", dtype=torch.float16)
     for attn in ("flash_attention_2", "kernels-community/flash-attn3"):
         assert generation_dtype(str(fp32), attn) == torch.bfloat16
         assert generation_dtype(tiny["model"], attn) == "auto"  # a bf16 folder
+        assert generation_dtype(str(fp16), attn) == "auto"  # flash kernels take fp16 too
     assert generation_dtype(str(fp32), "sdpa") == "auto"
     assert load_exported_model(str(fp32), "sdpa", torch.device("cpu")).dtype == torch.float32
 
