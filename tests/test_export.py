@@ -18,6 +18,7 @@ from fsdp_recipes.convert import convert, set_config_dtype_in_json
 from fsdp_recipes.export import save_hf_model, write_model_files
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.sharding import kept_in_fp32
 from fsdp_recipes.trainer import build_optimizer
 
 from conftest import read_metrics, run, torchrun
@@ -98,6 +99,19 @@ def safetensors_dtypes(folder) -> dict[str, str]:
         with safe_open(str(file), "pt") as f:
             dtypes.update({name: f.get_slice(name).get_dtype() for name in f.keys()})
     return dtypes
+
+
+@pytest.mark.parametrize("model_type", KEEPS_FP32)
+def test_the_weights_kept_in_fp32_are_those_from_pretrained_keeps_in_bf16_and_in_fp16(tmp_path, model_type):
+    config = AutoConfig.for_model(model_type, vocab_size=32, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, **KEEPS_FP32[model_type])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for dtype in (torch.bfloat16, torch.float16):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+        kept = kept_in_fp32(loaded, dtype)
+        state = {name: t for name, t in loaded.state_dict().items() if t.is_floating_point()}
+        fp32 = {name for name, t in state.items() if t.dtype == torch.float32}
+        assert fp32 and {name for name in state if kept.search(name)} == fp32, dtype
 
 
 @pytest.mark.parametrize("model_type", KEEPS_FP32)
