@@ -206,10 +206,12 @@ def test_accelerates_one_process_launcher_for_a_config_of_several_is_refused(mon
                                                   r"launch --cpu .* Drop --cpu .*\(MASTER_ADDR, which that launcher "
                                                   r"sets only for several processes, is 127.0.0.1"):
                 resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
-    # One process asked for (`accelerate launch --cpu` without a config): nothing is dropped.
-    for key, value in simple_launched_env(["--cpu"]).items():
+    # One process asked for (`accelerate launch --cpu` without a config): nothing is dropped, and its
+    # --mixed_precision applies.
+    for key, value in simple_launched_env(["--cpu", "--mixed_precision", "no"]).items():
         monkeypatch.setenv(key, value)
-    assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2
+    plan = resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    assert (plan.fsdp_version, plan.mixed_precision) == (2, "no")
     # Unless the shell exports a MASTER_ADDR, which the launcher passes on: the error names it.
     monkeypatch.setenv("MASTER_ADDR", "node0")
     for key, value in simple_launched_env(["--cpu"]).items():
