@@ -371,6 +371,13 @@ def test_the_plan_names_the_dtype_gradients_accumulate_in_between_syncs(monkeypa
             in describe_plan(model, plan).splitlines())
 
 
+def test_layer_class_names_may_have_spaces_around_the_commas(accelerate_env):
+    accelerate_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer, LlamaMLP")
+    assert plan_for().layer_cls_names == ["LlamaDecoderLayer", "LlamaMLP"]
+    plan = plan_for("--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP ,LlamaDecoderLayer")
+    assert plan.layer_cls_names == ["LlamaMLP", "LlamaDecoderLayer"]
+
+
 def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
     model = tiny_model()
     assert [c.__name__ for c in find_layer_classes(model, None)] == ["LlamaDecoderLayer"]
