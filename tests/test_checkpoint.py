@@ -448,6 +448,16 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
+def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
+    # Steps by number: as text, checkpoint-10 sorts before checkpoint-8 and would go while the older one stays.
+    for step in [8, 10, 12]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_steps", "2", "--save_total_limit", "2"])
+    _apply_retention(cfg, saved_step=12)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12"]
+
+
 def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp_path, monkeypatch, capsys):
     # On NFS a folder holding a file still open elsewhere (.nfsXXXX) cannot be removed: EBUSY.
     for name in ["checkpoint-2", "checkpoint-4"]:
