@@ -404,9 +404,11 @@ def record_fsync_and_replace(monkeypatch) -> list[tuple]:
 
 def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_group, monkeypatch):
     """Every file and folder of the checkpoint is fsynced before its rename, and `latest` after it: a node that
-    crashes right after a save cannot leave `latest` naming a folder of empty files (os.fsync and os.replace are
-    recorded, and still called)."""
-    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full")])
+    crashes right after a save cannot leave `latest` naming a folder of empty files. Retention removes the older
+    checkpoint only once `latest` names the new one (os.fsync and os.replace are recorded, and still called)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full",
+                                                        "--save_total_limit", "1")])
+    (tmp_path / "checkpoint-1").mkdir()  # the one retention removes
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
@@ -426,7 +428,10 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     assert synced_before >= written | {str(final)}, written - synced_before
     assert ("fsync", str(tmp_path)) in events[renamed:latest] and ("fsync", f"{tmp_path}/latest.tmp") in events
     assert events[latest + 1] == ("fsync", str(tmp_path))
+    # A kill before `latest` is replaced leaves it naming checkpoint-1, which must still be there.
+    assert events.index(("replace", f"{tmp_path}/checkpoint-1", f"{tmp_path}/checkpoint-1.old")) > latest
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
+    assert not (tmp_path / "checkpoint-1").exists()
     # final/ too: every file and folder before its rename, the rename itself after it.
     events = record_fsync_and_replace(monkeypatch)
     save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
