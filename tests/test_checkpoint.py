@@ -1094,6 +1094,20 @@ def test_an_output_dir_reached_through_a_symlink_holds_the_same_run(tmp_path, on
     assert sorted(os.listdir(real)) == [".run.lock", "checkpoint-4", "latest"]
 
 
+def test_a_checkpoint_of_an_output_dir_whose_name_extends_this_one_is_another_runs(tmp_path, one_process_group):
+    # run2/ starts with the letters of run/, but is not inside it: its checkpoint is another run's.
+    out, other = tmp_path / "run", fake_checkpoint(tmp_path / "run2" / "checkpoint-2")
+    fake_checkpoint(out / "checkpoint-4")
+    (out / "latest").write_text("checkpoint-4")
+    with pytest.raises(ConfigError) as error:
+        prepare_output_dir(config(out, "--resume_from_checkpoint", other))
+    assert str(error.value) == (
+        f"{out} holds checkpoint-4, latest of another run than {other}'s, which this run would overwrite or mix with "
+        f"its own: pass --overwrite_output_dir true to remove them and start over, or another output_dir")
+    # Removing run/'s checkpoints leaves the one resumed from: not refused as a resume from one of them.
+    prepare_output_dir(config(out, "--resume_from_checkpoint", other, "--overwrite_output_dir", "true"))
+
+
 def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_group):
     model, out = tmp_path / "model", tmp_path / "out"
     (model / "weights").mkdir(parents=True)
