@@ -1026,6 +1026,23 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_a_save_killed_while_replacing_its_step_leaves_a_whole_checkpoint_to_resume(tmp_path, one_process_group,
+                                                                                   monkeypatch):
+    # replace_dir moves checkpoint-6 to checkpoint-6.old, the new save into place, then removes the .old copy.
+    (tmp_path / "latest").write_text("checkpoint-6")
+    (fake_checkpoint(tmp_path / "checkpoint-6.old") / "trainer_state.json").write_text('{"step": 6, "copy": "old"}')
+    # Killed after the first rename: the old copy is put back, and the rename is on disk before the resume reads it.
+    events = record_fsync_and_replace(monkeypatch)
+    assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-6"
+    monkeypatch.undo()
+    assert events == [("replace", f"{tmp_path}/checkpoint-6.old", f"{tmp_path}/checkpoint-6"), ("fsync", str(tmp_path))]
+    # Killed after the second (while the old copy was being removed): the new checkpoint is whole and stays.
+    (fake_checkpoint(tmp_path / "checkpoint-6.old") / "trainer_state.json").write_text('{"step": 6, "copy": "old"}')
+    (tmp_path / "checkpoint-6" / "trainer_state.json").write_text('{"step": 6, "copy": "new"}')
+    assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-6"
+    assert json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())["copy"] == "new"
+
+
 def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_group, monkeypatch):
     # A run's `latest` file is a natural guess for the checkpoint to resume or convert, and `latest` the word other
     # trainers take for the newest checkpoint: each is told what to pass instead of "not a checkpoint".
