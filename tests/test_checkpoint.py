@@ -1043,6 +1043,12 @@ def test_a_save_killed_while_replacing_its_step_leaves_a_whole_checkpoint_to_res
     assert json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())["copy"] == "new"
 
 
+def test_a_latest_written_by_hand_with_a_newline_names_its_checkpoint(tmp_path, one_process_group):
+    fake_checkpoint(tmp_path / "checkpoint-4")
+    (tmp_path / "latest").write_text("checkpoint-4\n")  # as `echo checkpoint-4 > latest` writes it
+    assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-4"
+
+
 def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_group, monkeypatch):
     # A run's `latest` file is a natural guess for the checkpoint to resume or convert, and `latest` the word other
     # trainers take for the newest checkpoint: each is told what to pass instead of "not a checkpoint".
