@@ -228,6 +228,32 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
 
+def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(tiny, tmp_path, one_process_group,
+                                                                              monkeypatch):
+    """torch.save reports a full disk as a RuntimeError ("unexpected pos"): it must become the same failed save as
+    an OSError, which every rank learns of; escaping on one rank, it left the others waiting in the next gather."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    save = torch.save
+
+    def disk_full_at_the_rng_file(obj, file, *args, **kwargs):
+        if str(file).endswith("rank_0.pt"):  # DCP's own writes go through torch.save too
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+        return save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_the_rng_file)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    assert re.fullmatch(
+        f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: RuntimeError: \\[enforce fail at "
+        f"inline_container.cc:664\\] . unexpected pos 64 vs 0\\), with [0-9.,]+ MiB free on the file system of "
+        f"{tmp_path}: make room \\(or lower --save_total_limit\\), then resume with --resume_from_checkpoint auto "
+        f"\\(`latest` still names the previous checkpoint, if any\\)", str(error.value)), str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
+
+
 def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
     # Same size, other bytes (bit rot, a copy that went wrong): DCP's own error named no file, and escaped run_main.
     checkpoint = tmp_path / "checkpoint-6"
