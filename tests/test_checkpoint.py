@@ -866,8 +866,14 @@ def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_pro
     checkpoint is often removed once the folder is there; os.fsync and os.replace are recorded, and still called)."""
     checkpoint = small_checkpoint(tiny, tmp_path)
     events = record_fsync_and_replace(monkeypatch)
-    convert(checkpoint, str(tmp_path / "hf"), torch.bfloat16, "100KB")
+    umask = os.umask(0o022)
+    try:
+        convert(checkpoint, str(tmp_path / "hf"), torch.bfloat16, "100KB")
+    finally:
+        os.umask(umask)
     monkeypatch.undo()
+    # An ordinary folder, as the umask makes it, though the converter writes it in a private one (mkdtemp's 0700).
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
     [(_, tmp, out)] = [event for event in events if event[0] == "replace"]
     assert out == f"{tmp_path}/hf" and os.path.basename(tmp).startswith("hf.converting-")
     renamed = events.index(("replace", tmp, out))
