@@ -40,7 +40,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import DistEnv
-from fsdp_recipes import trainer
+from fsdp_recipes import convert as convert_module, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
@@ -882,6 +882,21 @@ def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_pro
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
     assert synced_before >= written | {out}, written - synced_before
     assert events[renamed + 1:] == [("fsync", str(tmp_path))]
+
+
+def test_a_conversion_stopped_by_ctrl_c_removes_its_own_folder(tiny, tmp_path, one_process_group, monkeypatch,
+                                                                ctrl_c_interrupts):
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    fsync_tree = convert_module.fsync_tree
+
+    def ctrl_c_then_sync(root):  # a Ctrl-C once the weights are written, before the folder is renamed
+        os.kill(os.getpid(), signal.SIGINT)
+        fsync_tree(root)
+
+    monkeypatch.setattr(convert_module, "fsync_tree", ctrl_c_then_sync)
+    with pytest.raises(KeyboardInterrupt):
+        convert(checkpoint, str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no hf.converting-* folder left beside the checkpoint's run
 
 
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
