@@ -299,6 +299,25 @@ def test_a_model_with_its_own_code_exports_the_code_too(tiny, tmp_path, fsdp_ver
         assert type(model).__name__ == "FooForCausalLM"
 
 
+def test_a_model_with_its_own_code_and_tied_embeddings_converts_to_the_weights_of_its_export(tiny, tmp_path,
+                                                                                            one_process_group):
+    # The converter builds no model of its own code: config.json's tie_word_embeddings tells it that the sharded
+    # checkpoint's lm_head.weight is the embedding's second name, which final/ leaves out.
+    source = write_model_with_its_own_code(tiny["tied_model"], tmp_path / "foo")
+    cfg = parse_config(["--model_name_or_path", str(source), "--trust_remote_code", "true", "--dataset_name", "x",
+                        "--output_dir", str(tmp_path / "run"), "--mixed_precision", "no", "--save_steps", "1",
+                        "--save_state_dict_type", "sharded"])
+    model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    optimizer = build_optimizer(model, cfg)
+    checkpoint = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer, step=1,
+                                 epoch=0, wandb_run=None)
+    convert(checkpoint, str(tmp_path / "converted"))
+    final, converted = (safetensors_dtypes(tmp_path / folder) for folder in ("final", "converted"))
+    assert "lm_head.weight" not in final and converted == final
+
+
 @pytest.mark.parametrize("eos, expected", [("<|endoftext|>", ["<|endoftext|>", "<|im_end|>"]),
                                            ("<|im_end|>", "<|im_end|>")])
 def test_generation_stops_where_the_chat_template_closes_a_turn(tmp_path, eos, expected):
