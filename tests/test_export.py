@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+import safetensors.torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
@@ -15,7 +16,7 @@ from fsdp_recipes import demo
 from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
-from fsdp_recipes.export import save_hf_model, write_model_files
+from fsdp_recipes.export import save_hf_model, write_hf_weights, write_model_files
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import kept_in_fp32
@@ -224,6 +225,18 @@ def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
             assert dtypes.pop("model.layers.0.mlp.tid2eid") == "I64"
             assert set(dtypes.values()) == {"BF16"}
             assert torch.equal(f.get_tensor("model.layers.0.mlp.tid2eid"), table)
+
+
+def test_written_tensor_bytes_start_8_byte_aligned_as_safetensors_writes_them(tmp_path):
+    # The header is padded so that the tensor bytes start at a multiple of 8, as safetensors' own writer does: a reader
+    # that maps the file can view them in place. Names of 1 to 8 letters give every header length modulo 8.
+    for length in range(1, 9):
+        name = "w" * length
+        write_hf_weights(str(tmp_path), {name: torch.Size([3])}, {name: torch.float64}, "5GB",
+                         lambda _: torch.arange(3.0))
+        data = (tmp_path / "model.safetensors").read_bytes()
+        assert len(data) % 8 == 0 and data == safetensors.torch.save({name: torch.arange(3.0, dtype=torch.float64)},
+                                                                     metadata={"format": "pt"}), name
 
 
 def test_save_dtype_auto_is_the_dtype_config_json_records(tmp_path):
