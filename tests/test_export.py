@@ -201,6 +201,20 @@ def test_a_source_in_transformers_layout_is_exported_and_converted_in_it(tmp_pat
             assert config_json["architectures"] == ["Qwen3MoeForCausalLM"], folder
 
 
+def test_an_export_starts_afresh_from_what_a_killed_one_left(tmp_path, one_process_group):
+    # A killed export of a larger model (or with a smaller max_shard_size) left final.tmp with an index and its
+    # shards: kept beside the new model.safetensors, the index would make from_pretrained load the stale shards.
+    tokenizer = demo.build_tokenizer()
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1))
+    (tmp_path / "final.tmp").mkdir()
+    (tmp_path / "final.tmp" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (tmp_path / "final.tmp" / "model-00001-of-00002.safetensors").write_text("stale")
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    assert sorted(p.name for p in (tmp_path / "final").glob("model*")) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
     # DeepSeek V4's hash routing reads expert ids from a persistent int64 table (tid2eid): written in bf16, 257
     # would come back as 256.
