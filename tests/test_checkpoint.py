@@ -1178,6 +1178,16 @@ def test_a_checkpoint_of_an_output_dir_whose_name_extends_this_one_is_another_ru
     prepare_output_dir(config(out, "--resume_from_checkpoint", other, "--overwrite_output_dir", "true"))
 
 
+def test_a_resume_removes_nothing_of_its_output_dir(tmp_path, one_process_group):
+    # The recipes call remove_earlier_run on every run: without overwrite_output_dir it must remove nothing.
+    fake_checkpoint(tmp_path / "checkpoint-4")
+    (tmp_path / "latest").write_text("checkpoint-4")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4}\n')
+    before = snapshot(tmp_path)
+    remove_earlier_run(config(tmp_path, "--resume_from_checkpoint", "auto"))
+    assert snapshot(tmp_path) == before
+
+
 def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_group):
     model, out = tmp_path / "model", tmp_path / "out"
     (model / "weights").mkdir(parents=True)
