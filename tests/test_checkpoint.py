@@ -861,6 +861,23 @@ def test_a_checkpoint_missing_a_model_file_is_refused_and_one_without_its_resume
     assert not (tmp_path / "hf2").exists()
 
 
+def test_a_full_checkpoint_in_several_files_converts_into_one_without_its_index(tiny, tmp_path, one_process_group):
+    # The checkpoint's own index names its fp32 files: copied with the model files, it would replace the output's.
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "run", "--save_state_dict_type", "full",
+                                                        "--max_shard_size", "100KB")])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    checkpoint = Path(save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer),
+                                      load_tokenizer(cfg), 2, 0, None))
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    assert len(shards) > 1 and (checkpoint / "model.safetensors.index.json").is_file()
+    convert(str(checkpoint), str(tmp_path / "hf"))
+    assert sorted(p.name for p in (tmp_path / "hf").glob("model*")) == ["model.safetensors"]
+    saved = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
+    assert "lm_head.weight" not in saved  # tied: the embedding alone, as final/ holds it
+    assert_same_weights(load_file(tmp_path / "hf" / "model.safetensors"), saved)
+
+
 def test_a_converted_folder_is_on_disk_before_its_rename(tiny, tmp_path, one_process_group, monkeypatch):
     """As final/: every file and folder the converter wrote is fsynced before the rename, the rename after it (the
     checkpoint is often removed once the folder is there; os.fsync and os.replace are recorded, and still called)."""
