@@ -736,6 +736,9 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
     convert(str(checkpoint), str(tmp_path / "fp32"), torch.float32, "100KB")
     index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    # As save_pretrained writes it: the bytes of all the tensors, which tools read as the model's size.
+    tensors = [t for file in set(index["weight_map"].values()) for t in load_file(tmp_path / "fp32" / file).values()]
+    assert index["metadata"] == {"total_size": sum(t.nbytes for t in tensors)}
     for name in ["config.json", "tokenizer.json", "generation_config.json"]:
         assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
     assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
