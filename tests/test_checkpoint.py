@@ -32,8 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
-                                     model_config_differences, prepare_output_dir, remove_earlier_run, resolve_resume,
-                                     resolve_state_dict_type, save_checkpoint, tokenizer_differences,
+                                     model_config_differences, point_latest_at, prepare_output_dir, remove_earlier_run,
+                                     resolve_resume, resolve_state_dict_type, save_checkpoint, tokenizer_differences,
                                      training_config_differences, training_data_identity, validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
@@ -1114,6 +1114,19 @@ def test_a_latest_written_by_hand_with_a_newline_names_its_checkpoint(tmp_path, 
     fake_checkpoint(tmp_path / "checkpoint-4")
     (tmp_path / "latest").write_text("checkpoint-4\n")  # as `echo checkpoint-4 > latest` writes it
     assert latest_checkpoint(str(tmp_path)) == f"{tmp_path}/checkpoint-4"
+
+
+def test_a_resume_points_latest_at_its_checkpoint_only_in_its_own_output_dir(tmp_path, one_process_group, capsys):
+    out, elsewhere = tmp_path / "run", fake_checkpoint(tmp_path / "other" / "checkpoint-2")
+    for step in [4, 6]:
+        fake_checkpoint(out / f"checkpoint-{step}")
+    (out / "latest").write_text("checkpoint-6")
+    point_latest_at(str(out), str(elsewhere))  # another run's checkpoint: output_dir has no checkpoint-2
+    assert (out / "latest").read_text() == "checkpoint-6" and capsys.readouterr().out == ""
+    point_latest_at(str(out), f"{out}/checkpoint-4/")  # a return to an earlier step, spelled with a slash
+    assert (out / "latest").read_text() == "checkpoint-4"
+    assert capsys.readouterr().out == (f"resume: `latest` in {out} now names checkpoint-4, where this run starts (it "
+                                       f"named checkpoint-6)\n")
 
 
 def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_group, monkeypatch):
