@@ -500,7 +500,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
     # The router-loss settings as each run trained with them: unset in the recipe config means config.json's value
     # (the checkpoint's config.json keeps the model's own, see export.write_model_files).
-    trained = {k: saved.get(k) for k in ROUTER_LOSS_KEYS if state["config"].get(k, 0) is None}
+    trained = {k: saved.get(k) for k in ROUTER_LOSS_KEYS if k in state["config"] and state["config"][k] is None}
     recorded = {**state, "config": {**state["config"], **trained}, "master_dtype": saved_master_dtype(path, state)}
     now = dataclasses.replace(cfg, **{k: getattr(model.config, k, None) for k in ROUTER_LOSS_KEYS})
     differ = training_config_differences(recorded, now, dist.get_world_size(), master_dtype(model))
