@@ -70,6 +70,10 @@ def test_exact_loss_tokens_of_each_format():
     out = tokenize_example({"instruction": "ab", "input": "", "output": "ba"}, "instruction", TOKENIZER, 64)
     assert TOKENIZER.decode(out["input_ids"]) == "<|user|>ab<|end|><|assistant|>ba<|end|>"
     assert loss_tokens(out) == ["b", "a", "<|end|>"]
+    # A non-empty input follows the instruction in the user turn, after a blank line.
+    text, spans = render_with_loss_spans({"instruction": "ab", "input": "cd", "output": "ba"}, "instruction", TOKENIZER)
+    assert text == "<|user|>ab\n\ncd<|end|><|assistant|>ba<|end|>"
+    assert [text[s:e] for s, e in spans] == ["ba<|end|>"]
     with pytest.raises(ConfigError, match=r"^row 1: 'input' must be a string, got 5$"):
         tokenize_example({"instruction": "ab", "input": 5, "output": "ba"}, "instruction", TOKENIZER, 64)
 
@@ -677,6 +681,10 @@ def test_tool_calls_and_answers_are_learnt_with_the_tools_and_results_in_the_pro
         # An empty tool_calls is no call (JSON exports give every message one).
         empty = {**TOOL_CHAT, "messages": [{"tool_calls": [], **message} for message in TOOL_CHAT["messages"]]}
         assert tokenize_example(empty, "chat", tokenizer, 1024) == out
+        # Nor are empty tools any (a JSON export's []): Llama 3's template would write a tool header for them.
+        for tools in ([], None):
+            assert render_with_loss_spans({**CHAT, "tools": tools}, "chat", tokenizer) == render_with_loss_spans(
+                CHAT, "chat", tokenizer)
 
 
 def test_qwen3_answers_after_the_last_user_message_and_earlier_calls_with_reasoning_are_trained_as_the_chat_writes_them():
@@ -841,6 +849,13 @@ def test_truncation_keeps_the_first_tokens():
     out = tokenize_example({"prompt": "abc", "completion": "defg"}, "prompt_completion", TOKENIZER, max_seq_length=5)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d"] and out["overlong"]
     assert loss_tokens(out) == ["d"]
+    # Exactly max_seq_length tokens is not overlong (overlong_examples drop keeps it).
+    out = tokenize_example({"prompt": "abc", "completion": "d"}, "prompt_completion", TOKENIZER, max_seq_length=6)
+    assert len(out["input_ids"]) == 6 and not out["overlong"]
+    # Cut to its first token, an example has a label only where nothing is predicted: it has none (and is dropped).
+    out = tokenize_example({"text": "abc"}, "text", TOKENIZER, max_seq_length=1)
+    assert out["labels"] == out["input_ids"] and not out["has_labels"]
+    assert tokenize_example({"text": "abc"}, "text", TOKENIZER, max_seq_length=2)["has_labels"]
 
 
 def test_formats_are_detected_from_columns_or_forced():
@@ -848,6 +863,9 @@ def test_formats_are_detected_from_columns_or_forced():
     assert detect_format(["instruction", "input", "output"]) == "instruction"
     assert detect_format(["prompt", "completion"]) == "prompt_completion"
     assert detect_format(["text"]) == "text"
+    # With the columns of several formats, the first in README's order: messages, instruction, prompt, text.
+    every = ["text", "prompt", "completion", "instruction", "output", "messages"]
+    assert [detect_format(every[:n]) for n in (6, 5, 3)] == ["chat", "instruction", "prompt_completion"]
     assert detect_format(["text", "prompt", "completion"], forced="text") == "text"
     with pytest.raises(ConfigError, match=r"found the columns \['question', 'answer'\]; expected chat: messages; "
                                           r"instruction: instruction, output; .*text: text"):
@@ -1308,12 +1326,13 @@ def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(t
 
 
 def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys):
-    demo.write_jsonl(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 10, 30, 40)])
+    # 14 letters with <|bos|> and <|end|>: max_seq_length tokens exactly, which is not longer.
+    demo.write_jsonl(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 10, 14, 30, 40)])
     train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16), TOKENIZER)
-    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12, 16, 16]
+    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12, 16, 16, 16]
     assert "2 longer than max_seq_length=16 (truncated)" in capsys.readouterr().out
     train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16, overlong_examples="drop"), TOKENIZER)
-    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12]
+    assert [len(ids) for ids in list(train["input_ids"])] == [5, 12, 16]
     assert "2 longer than max_seq_length=16 (dropped)" in capsys.readouterr().out
 
 
@@ -1949,11 +1968,13 @@ def test_eval_settings_are_checked():
 @pytest.mark.parametrize("template, closing", [(LLAMA32_TEMPLATE, "<|eot_id|>"), (GEMMA2_TEMPLATE, "<end_of_turn>"),
                                                (PHI35_TEMPLATE, "<|end|>"), (QWEN25_TEMPLATE, "<|im_end|>"),
                                                (MISTRAL_NEMO_TEMPLATE, "<|endoftext|>"),
-                                               (DEFAULT_CHAT_TEMPLATE, "<|endoftext|>")])
+                                               (DEFAULT_CHAT_TEMPLATE, "<|endoftext|>"),
+                                               (QWEN3_TEMPLATE, "<|im_end|>")])
 def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
+    # <think> and </think> special here: Qwen3's turn opens with them, before the answer, and they close nothing.
     special = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<end_of_turn>",
                "<start_of_turn>", "<|end|>", "<|user|>", "<|assistant|>", "<|im_start|>", "<|im_end|>",
-               "[INST]", "[/INST]", "<|endoftext|>", "<bos>"]
+               "[INST]", "[/INST]", "<|endoftext|>", "<bos>", "<think>", "</think>"]
     tokenizer = char_tokenizer(template, "<bos>", "<|endoftext|>", special)
     assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing
 
