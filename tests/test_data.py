@@ -1289,7 +1289,8 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
                                             ("single", "train[:80%]", "train[75%:]", 2),
                                             ("dict", "train[10:20]+test", "test[:50%]", 5),
                                             ("dict", "train", "train", 30),
-                                            ("d.jsonl", "train[:50%]+train[:50%]", "train[40%:60%]", 4)]:
+                                            ("d.jsonl", "train[:50%]+train[:50%]", "train[40%:60%]", 4),
+                                            ("d.jsonl", "train[:50%]+train[10%:20%]", "train[40%:60%]", 4)]:
         with pytest.raises(ConfigError) as error:
             build_datasets(cfg(tmp_path / path, dataset_split=split, eval_split=eval_split), TOKENIZER)
         assert str(error.value) == (
@@ -1310,6 +1311,16 @@ def test_column_mapping_and_weighted_mixture(tmp_path):
     assert (first.count("a"), first.count("b")) == (10, 25)
     b_texts = [TOKENIZER.decode(ids) for ids in train["input_ids"] if TOKENIZER.convert_ids_to_tokens(ids[1]) == "b"]
     assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
+
+
+def test_column_mapping_may_swap_columns_and_renames_the_held_out_split_too(tmp_path):
+    swapped = [{"prompt": row["completion"], "completion": row["prompt"]} for row in ROWS]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(swapped[:30]),
+                          "test": datasets.Dataset.from_list(swapped[30:])}).save_to_disk(tmp_path / "dict")
+    train, eval_set = build_datasets(cfg(tmp_path / "dict", eval_split="test",
+                                         dataset_column_mapping="prompt=completion,completion=prompt"), TOKENIZER)
+    ids = lambda rows: [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["labels"] for r in rows]
+    assert (list(train["labels"]), list(eval_set["labels"])) == (ids(ROWS[:30]), ids(ROWS[30:]))
 
 
 def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(tmp_path):
@@ -1478,7 +1489,7 @@ def bad_input_cases(tmp_path):
     demo.write_jsonl(tmp_path / "bad_folder" / "a.jsonl", ROWS)
     shutil.copy(tmp_path / "bad.jsonl", tmp_path / "bad_folder" / "b.jsonl")
     demo.write_jsonl(tmp_path / "columns_folder" / "a.jsonl", ROWS)
-    demo.write_jsonl(tmp_path / "columns_folder" / "b.jsonl", [CHAT])
+    demo.write_jsonl(tmp_path / "columns_folder" / "b.jsonl", [{**CHAT, "id": "c1"}])  # as many columns, others
     demo.write_jsonl(tmp_path / "types_folder" / "a.jsonl", [{"text": "a"}])
     demo.write_jsonl(tmp_path / "types_folder" / "b.jsonl", [{"text": ["a"]}])
     demo.write_jsonl(tmp_path / "mixed_folder" / "a.jsonl", [{"text": "a"}])
@@ -1533,12 +1544,13 @@ def bad_input_cases(tmp_path):
          r"single has no split 'test'; its splits are \['train'\] \(a folder saved from a single Dataset"),
         (cfg(tmp_path / "single", dataset_split="validation"), r"single has no split 'validation'"),
         (cfg(tmp_path / "ok.jsonl", dataset_split="train[:x]"), r"cannot read the split 'train\[:x\]'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_split="train[:0]"), r"ok.jsonl \(split train\[:0\]\) holds no examples$"),
         (cfg(tmp_path / "data_folder", eval_split="test"), r"data_folder has no split 'test'; its splits are \['train'\]$"),
         (cfg(tmp_path / "data_folder", dataset_config_name="en"),
          r"data_folder is a folder of data files without a dataset card \(README.md\) that names configs"),
         (cfg(tmp_path / "bad_folder"), r"cannot parse .*bad_folder/b.jsonl, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "columns_folder"), r"the files of .*columns_folder differ in their columns: .*a.jsonl has "
-                                           r"\['prompt', 'completion'\], .*b.jsonl has \['messages'\]: give every "
+                                           r"\['prompt', 'completion'\], .*b.jsonl has \['messages', 'id'\]: give every "
                                            r"file the same columns"),
         (cfg(tmp_path / "types_folder"), r"^the files of .*types_folder have columns of other types: 'text' is "
                                          r"Value\('string'\) in .*types_folder/a.jsonl, .* in .*types_folder/b.jsonl: "
@@ -1636,6 +1648,7 @@ def test_a_bad_row_of_a_data_file_names_the_file_and_its_line(tmp_path):
     reason = "'completion' must be a string, got None"
     for name, split, where in [("folder", "train", f"row 5 (b.jsonl, line 3): {reason}"),
                                ("folder", "train[-4:]", f"row 2 (b.jsonl, line 3): {reason}"),
+                               ("folder", "train[:2]+train[4:]", f"row 3 (b.jsonl, line 3): {reason}"),
                                ("d.parquet", "train[1:]", f"row 1 (row 2): {reason}"),
                                ("array.jsonl", "train", f"row 3 (row 3): {reason}"),
                                ("d.csv", "train", "row 2 (line 4): a 'tools' column is read with chat data")]:
