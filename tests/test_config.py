@@ -101,6 +101,12 @@ def test_unknown_cli_flag_is_named():
          r"step. Set it to 1e-8, the default$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_epsilon", "inf"], "adam_epsilon must be a "),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--eval_fraction", "1"],
+         r"^eval_fraction must be in \[0, 1\), got 1.0$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--eval_fraction", "0.1", "--per_device_eval_batch_size",
+          "0"], "^per_device_eval_batch_size must be at least 1, got 0$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--save_steps", "5", "--save_total_limit", "0"],
+         "^save_total_limit must be at least 1 or unset, got 0$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--router_aux_loss_coef", "-0.001"],
          r"^router_aux_loss_coef must be 0 or a positive number \(most of transformers' MoE models default to "
          r"0.001\), got -0.001$"),
@@ -144,6 +150,9 @@ def test_unknown_cli_flag_is_named():
         # argparse's own errors, as one line that names the command line.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "ten"],
          "the command line: argument --max_steps/--max-steps: invalid integer value: 'ten'"),
+        # A fraction is refused, not cut to a whole number of steps (1e8, a whole number, is taken).
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "1.5"],
+         "the command line: argument --max_steps/--max-steps: invalid integer value: '1.5'"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--config"],
          "the command line: argument --config: expected one argument"),
         (["--config", "a.yaml", "--config", "b.yaml"], r"--config is given 2 times \(a.yaml, b.yaml\): pass one YAML"),
