@@ -845,6 +845,21 @@ def test_a_conversation_that_opens_with_the_assistant_carries_loss_on_that_turn(
         assert [text[s:e] for s, e in spans] == [f"{content}<|eot_id|>"]
 
 
+def test_a_template_whose_prompt_is_no_prefix_of_the_chat_is_refused_for_completion_only_loss():
+    """Where the whole chat does not start as the prompt of its answer renders (here a header counts the messages),
+    where the answer starts is not known: refused, not guessed."""
+    tokenizer = char_tokenizer("{{ messages | length }} messages\n{% for m in messages %}{{ m.role + ': ' + m.content "
+                               "+ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+                               None, "</s>", ["</s>"])
+    chat = {"messages": CHAT["messages"][:2]}
+    with pytest.raises(ConfigError, match=r"^row 1: the tokenizer's chat template renders a conversation differently "
+                                          r"from its prefixes, so assistant turns cannot be located: set "
+                                          r"completion_only_loss false$"):
+        tokenize_example(chat, "chat", tokenizer, 64)
+    out = tokenize_example(chat, "chat", tokenizer, 64, completion_only_loss=False)
+    assert "".join(loss_tokens(out, tokenizer)) == " messages\nuser: ab</s>assistant: ba</s>"  # after the first
+
+
 def test_truncation_keeps_the_first_tokens():
     out = tokenize_example({"prompt": "abc", "completion": "defg"}, "prompt_completion", TOKENIZER, max_seq_length=5)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d"] and out["overlong"]
