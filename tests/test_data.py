@@ -860,6 +860,19 @@ def test_a_template_whose_prompt_is_no_prefix_of_the_chat_is_refused_for_complet
     assert "".join(loss_tokens(out, tokenizer)) == " messages\nuser: ab</s>assistant: ba</s>"  # after the first
 
 
+def test_an_answer_closed_otherwise_when_rendered_last_is_refused_not_cut_before_its_closing():
+    """A template that closes the last answer with the EOS and earlier ones with another token: an earlier answer,
+    rendered as the last, does not show its closing in the chat. Refused, rather than trained without it."""
+    tokenizer = char_tokenizer("{% for m in messages %}{{ m.role + ': ' + m.content }}{% if m.role == 'assistant' and "
+                               "loop.last %}{{ eos_token }}{% else %}<eot>{% endif %}{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}", None, "</s>", ["</s>", "<eot>"])
+    chat = {"messages": CHAT["messages"][:3]}
+    assert tokenizer.apply_chat_template(chat["messages"], tokenize=False) == "user: ab<eot>assistant: ba<eot>user: cd<eot>"
+    with pytest.raises(ConfigError, match=r"^row 1: .* so assistant turns cannot be located: set completion_only_loss "
+                                          r"false$"):
+        tokenize_example(chat, "chat", tokenizer, 64)
+
+
 def test_truncation_keeps_the_first_tokens():
     out = tokenize_example({"prompt": "abc", "completion": "defg"}, "prompt_completion", TOKENIZER, max_seq_length=5)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d"] and out["overlong"]
