@@ -860,6 +860,19 @@ def test_a_template_whose_prompt_is_no_prefix_of_the_chat_is_refused_for_complet
     assert "".join(loss_tokens(out, tokenizer)) == " messages\nuser: ab</s>assistant: ba</s>"  # after the first
 
 
+def test_a_generation_prompt_unlike_the_turns_the_template_writes_is_refused():
+    """A template whose generation prompt ('assistant: ') is not how it writes an answer's header ('bot: '): where a
+    later answer starts is not known (an opening answer, found from its own header, is). Refused, not guessed."""
+    tokenizer = char_tokenizer("{% for m in messages %}{{ ('bot' if m.role == 'assistant' else 'user') + ': ' + "
+                               "m.content + eos_token }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+                               None, "</s>", ["</s>"])
+    chat = {"messages": [{"role": "assistant", "content": "hi"}] + CHAT["messages"][:2]}
+    assert render_with_loss_spans(chat, "chat", tokenizer, locate_turns=False)[0] == "bot: hi</s>user: ab</s>bot: ba</s>"
+    with pytest.raises(ConfigError, match=r"^row 1: .* so assistant turns cannot be located: set completion_only_loss "
+                                          r"false$"):
+        tokenize_example(chat, "chat", tokenizer, 64)
+
+
 def test_an_answer_closed_otherwise_when_rendered_last_is_refused_not_cut_before_its_closing():
     """A template that closes the last answer with the EOS and earlier ones with another token: an earlier answer,
     rendered as the last, does not show its closing in the chat. Refused, rather than trained without it."""
