@@ -137,6 +137,10 @@ def test_peak_flops_by_the_name_torch_gives():
     assert peak_flops_of("NVIDIA H100 80GB HBM3") == peak_flops_of("NVIDIA H200") == 989e12  # SXM
     assert peak_flops_of("NVIDIA H200 NVL") == peak_flops_of("NVIDIA H100 NVL") == 835e12
     assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA GH200 480GB") == 989e12
+    # The datasheets' dense figures, not those "with sparsity" (twice as large: 624 and 733 TFLOPS).
+    assert peak_flops_of("NVIDIA A100-SXM4-80GB") == peak_flops_of("NVIDIA A100 80GB PCIe") == 312e12
+    assert peak_flops_of("NVIDIA L40S") == 362e12
     assert peak_flops_of("NVIDIA GeForce RTX 4090") is None
 
 
