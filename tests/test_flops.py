@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
                           Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GptOssConfig,
-                          JetMoeConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig, MixtralForCausalLM,
-                          Qwen2Config, Qwen3NextConfig)
+                          JetMoeConfig, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
+                          MixtralForCausalLM, Qwen2Config, Qwen3NextConfig)
 
 from conftest import REPO, read_metrics, run
 from fsdp_recipes import demo
@@ -44,6 +44,10 @@ def test_sliding_window_layers_attend_to_the_window_only():
     assert attended_lengths(MistralConfig(num_hidden_layers=2, sliding_window=None), 8192) == [8192, 8192]
     assert attended_lengths(Qwen2Config(num_hidden_layers=2, sliding_window=4096), 8192) == [8192, 8192]
     assert attended_lengths(LlamaConfig(num_hidden_layers=2), 8192) == [8192, 8192]
+    # Llama 4: 3 chunked layers of every 4 attend within their chunk of 8192 tokens, the 4th to the whole row.
+    llama4 = Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8192)
+    assert attended_lengths(llama4, 16384) == [8192, 8192, 8192, 16384]
+    assert attended_lengths(llama4, 4096) == [4096] * 4
 
 
 def test_moe_counts_only_the_routed_experts():
