@@ -57,6 +57,10 @@ def test_moe_counts_only_the_routed_experts():
     router = 3 * 8 * 64
     experts = 3 * 8 * 3 * 64 * 128
     assert active_matmul_params(model) == dense + router + experts * 2 / 8
+    # Mixtral's config sets no head_dim: a head is hidden_size / num_attention_heads = 16 wide, in query and key-value
+    # heads alike (2 KV heads of 4 query heads).
+    assert config.head_dim is None
+    assert training_flops_per_token(model, 256) == 6 * active_matmul_params(model) + 12 * 3 * 4 * 16 * 256
 
 
 def test_moe_experts_are_found_by_their_fused_tensor_not_their_module_name():
