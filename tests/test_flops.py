@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
                           Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GptOssConfig,
-                          JetMoeConfig, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MixtralConfig,
-                          MixtralForCausalLM, Qwen2Config, Qwen3NextConfig)
+                          JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MixtralConfig, MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig)
 
 from conftest import REPO, read_metrics, run
 from fsdp_recipes import demo
@@ -122,6 +122,11 @@ def test_linear_attention_layers_add_no_attention_term():
     model = build_meta_model(config)
     assert attended_lengths(config, 512) == [0, 0, 0, 512]
     assert training_flops_per_token(model, 512) == 6 * active_matmul_params(model) + 12 * 4 * 16 * 512
+    # Nemotron-H: a Mamba layer, an attention layer, an MLP-only and a MoE-only layer (pattern "M*-E"); LFM2's
+    # convolution layers. Only the attention layers attend.
+    assert attended_lengths(NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="M*-E"), 512) == [0, 512, 0, 0]
+    lfm2 = Lfm2Config(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
+    assert attended_lengths(lfm2, 512) == [0, 512, 0, 512]
 
 
 def test_latent_attention_counts_query_key_and_value_widths():
