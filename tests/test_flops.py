@@ -1,7 +1,5 @@
 """FLOPs per token, counted from the model's parameters, against the formula written out by hand."""
 
-import sys
-
 import pytest
 import torch
 from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
@@ -9,7 +7,7 @@ from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig,
                           JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MixtralConfig, MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig)
 
-from conftest import REPO, read_metrics, run
+from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
 from fsdp_recipes.flops import (active_matmul_params, attended_lengths, build_meta_model, peak_flops, peak_flops_of,
                                 training_flops_per_token)
@@ -158,9 +156,9 @@ def test_peak_flops_by_the_name_torch_gives():
 
 
 def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
-    """The MFU path of a GPU with a known peak, on the CPU: one process trains a tiny Gemma 4, multimodal as the
+    """The MFU path of a GPU with a known peak, on the CPU: two processes train a tiny Gemma 4, multimodal as the
     hub's checkpoints are (without their towers), whose full-attention layer has a head_dim of its own; the logged
-    mfu is the step's tokens/s x the FLOPs per token at its row length over the peak."""
+    mfu is one device's share of the step's tokens/s x the FLOPs per token at its mean row length over the peak."""
     tokenizer = demo.build_tokenizer()
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    eos_token_id=tokenizer.eos_token_id)
@@ -174,16 +172,16 @@ def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
     tokenizer.save_pretrained(tmp_path / "model")
     demo.write_jsonl(tmp_path / "train.jsonl", demo.make_split(seed=1, n_train=16, n_eval=0)[0])
     peak = 1e12
-    run([sys.executable, REPO / "tests" / "drivers" / "known_peak_run.py", peak, "recipes/sft.py",
-         "--model_name_or_path", tmp_path / "model", "--dataset_name", tmp_path / "train.jsonl", "--output_dir",
-         tmp_path / "run", "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
-         "--mixed_precision", "no", "--save_dtype", "float32"])
+    torchrun(REPO / "tests" / "drivers" / "known_peak_run.py", peak, "recipes/sft.py", "--model_name_or_path",
+             tmp_path / "model", "--dataset_name", tmp_path / "train.jsonl", "--output_dir", tmp_path / "run",
+             "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
+             "--mixed_precision", "no", "--save_dtype", "float32")
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     architecture = build_meta_model(config)
     for m in metrics:
-        # One micro-batch of 4 rows per step, padded to its longest: the mean row length is that length.
-        row_length = m["input_tokens"] / m["real_token_share"] / 4
-        assert row_length == round(row_length) > 8  # longer than the window, so both head_dims count
+        # One micro-batch of 4 rows per step on each rank, padded to its longest: the token slots of 8 rows.
+        row_length = m["input_tokens"] / m["real_token_share"] / 8
+        assert row_length > 8  # longer than the window, so both head_dims count
         flops = training_flops_per_token(architecture, round(row_length))
-        assert m["mfu"] == pytest.approx(m["tokens_per_second_per_device"] * flops / peak, rel=1e-12)
+        assert m["mfu"] == pytest.approx(m["tokens_per_second"] / 2 * flops / peak, rel=1e-12)
