@@ -389,6 +389,30 @@ def test_a_resume_without_wandb_keeps_the_checkpoints_wandb_run(tmp_path):
     assert MetricsLogger(cfg, is_main=True, resume_from=str(checkpoint)).wandb_run_state == none
 
 
+def test_a_resumed_run_continues_the_checkpoints_wandb_run(tmp_path, monkeypatch):
+    # The offline run file records how wandb.init was called: the checkpoint's run id and entity, and resume set
+    # (an existing id without it does not ask the server to continue that run).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()  # wandb reads WANDB_MODE once per process, at its set-up
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    saved = {"wandb_run_id": "k3x9q2ab", "wandb_project": "p", "wandb_entity": "team"}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(saved))
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "out", "--report_to",
+                        "wandb", "--wandb_project", "p"])
+    run_files = []
+    for resume_from in (None, str(checkpoint)):
+        MetricsLogger(cfg, is_main=True, resume_from=resume_from).close()
+        wandb.teardown()  # stops wandb's service, which writes the run file after finish() returns
+        [new_file] = set(tmp_path.glob("wandb/offline-run-*/run-*.wandb")) - set(run_files)
+        run_files.append(new_file)
+    fresh, resumed = map(run_summary, run_files)
+    assert fresh["id"] != "k3x9q2ab" and not fresh["resume"]
+    assert (resumed["id"], resumed["project"], resumed["entity"], resumed["resume"]) == ("k3x9q2ab", "p", "team", True)
+
+
 def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
     for n, world, size in [(17, 2, 8), (1, 3, 2), (10, 3, 4), (8, 2, 4)]:
         dataset = [{"input_ids": [7] * (i + 2), "labels": [i] * (i + 2)} for i in range(n)]
