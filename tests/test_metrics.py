@@ -22,7 +22,7 @@ import wandb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun
-from fsdp_recipes import trainer
+from fsdp_recipes import progress, trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
 from fsdp_recipes.data_formats import IGNORE_INDEX
@@ -456,6 +456,16 @@ def test_plain_progress_lines_show_the_logged_numbers(observed):
         assert re.search(rf"^{re.escape(line)}\d+:\d\d:\d\d$", printed, flags=re.M), (line, printed)
     last = evals[-1]
     assert f"eval at step 6: loss {last['eval/loss']:.4f} perplexity {last['eval/perplexity']:.3f}\n" in printed
+
+
+def test_plain_progress_time_left_is_paced_by_the_steps_this_run_trained(monkeypatch, capsys):
+    # Resumed at step 4 of 10: 2 steps in 20 s since the run started is 10 s a step, so 4 steps left take 40 s.
+    clock = iter([100.0, 120.0])
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    resumed = TrainingProgress(total_steps=10, start_step=4, show_bar=False)
+    resumed.logged({"step": 6, "loss": 1.25, "learning_rate": 3e-4, "grad_norm": 0.5, "tokens_per_second": 812.4})
+    printed = "step 6/10 loss 1.2500 lr 3.00e-04 grad_norm 0.500 tokens/s 812 time left 0:00:40\n"
+    assert capsys.readouterr().out == printed
 
 
 def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):
