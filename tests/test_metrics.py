@@ -418,6 +418,8 @@ def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
         dataset = [{"input_ids": [7] * (i + 2), "labels": [i] * (i + 2)} for i in range(n)]
         per_rank = [list(eval_batches(dataset, size, 0, rank, world)) for rank in range(world)]
         assert len({len(batches) for batches in per_rank}) == 1
+        # per_device_eval_batch_size bounds each forward pass: a dummy row fills an empty batch, never a full one.
+        assert all(len(b["input_ids"]) <= size for batches in per_rank for b in batches)
         labels = [row[row != IGNORE_INDEX] for batches in per_rank for b in batches for row in b["labels"]]
         assert sorted(int(row[0]) for row in labels if row.numel()) == list(range(n))  # dummy rows: no label
 
