@@ -460,6 +460,15 @@ def test_plain_progress_lines_show_the_logged_numbers(observed):
     assert f"eval at step 6: loss {last['eval/loss']:.4f} perplexity {last['eval/perplexity']:.3f}\n" in printed
 
 
+def test_loading_and_tokenization_bars_only_in_a_terminal():
+    # Rank 0's datasets (tokenization) and transformers (loading) bars; use_progress_bars decides for other ranks.
+    check = ("import datasets, transformers; from fsdp_recipes.progress import configure_progress_bars; "
+             "shown = configure_progress_bars(True); "
+             "print(shown, datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())")
+    assert run_on_terminal([sys.executable, "-c", check]).stdout.strip() == "True True True"
+    assert run([sys.executable, "-c", check]).stdout.strip() == "False False False"  # a log file: no bars
+
+
 def test_plain_progress_time_left_is_paced_by_the_steps_this_run_trained(monkeypatch, capsys):
     # Resumed at step 4 of 10: 2 steps in 20 s since the run started is 10 s a step, so 4 steps left take 40 s.
     clock = iter([100.0, 120.0])
