@@ -401,7 +401,7 @@ def test_a_resumed_run_continues_the_checkpoints_wandb_run(tmp_path, monkeypatch
     saved = {"wandb_run_id": "k3x9q2ab", "wandb_project": "p", "wandb_entity": "team"}
     (checkpoint / "trainer_state.json").write_text(json.dumps(saved))
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "out", "--report_to",
-                        "wandb", "--wandb_project", "p"])
+                        "wandb", "--wandb_project", "p", "--run_name", "sft-1"])
     run_files = []
     for resume_from in (None, str(checkpoint)):
         MetricsLogger(cfg, is_main=True, resume_from=resume_from).close()
@@ -410,6 +410,7 @@ def test_a_resumed_run_continues_the_checkpoints_wandb_run(tmp_path, monkeypatch
         run_files.append(new_file)
     fresh, resumed = map(run_summary, run_files)
     assert fresh["id"] != "k3x9q2ab" and not fresh["resume"]
+    assert fresh["name"] == resumed["name"] == "sft-1"  # --run_name, the name W&B shows
     assert (resumed["id"], resumed["project"], resumed["entity"], resumed["resume"]) == ("k3x9q2ab", "p", "team", True)
 
 

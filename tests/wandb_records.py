@@ -37,14 +37,14 @@ def read_records(path: Path) -> list:
 
 
 def run_summary(path: Path) -> dict:
-    """run id, entity and project, whether wandb.init was asked to resume the run of that id, config (key -> value)
-    and history ({step: {key: value}}) of a run file."""
-    run_id, entity, project, resume, config, history = None, None, None, None, {}, {}
+    """run id, name, entity and project, whether wandb.init was asked to resume the run of that id, config
+    (key -> value) and history ({step: {key: value}}) of a run file."""
+    run_id, name, entity, project, resume, config, history = None, None, None, None, None, {}, {}
     for record in read_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
-            run_id, entity, project, resume = run.run_id, run.entity, run.project, run.resume
+            run_id, name, entity, project, resume = run.run_id, run.display_name, run.entity, run.project, run.resume
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
         elif kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
@@ -54,4 +54,5 @@ def run_summary(path: Path) -> dict:
                 name = item.key or "/".join(item.nested_key)
                 if not name.startswith("_"):  # wandb's own (_step, _runtime, ...)
                     row[name] = json.loads(item.value_json)
-    return {"id": run_id, "entity": entity, "project": project, "resume": resume, "config": config, "history": history}
+    return {"id": run_id, "name": name, "entity": entity, "project": project, "resume": resume, "config": config,
+            "history": history}
