@@ -155,10 +155,12 @@ def test_peak_flops_by_the_name_torch_gives():
     assert peak_flops_of("NVIDIA GeForce RTX 4090") is None
 
 
-def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path, fsdp_version):
     """The MFU path of a GPU with a known peak, on the CPU: two processes train a tiny Gemma 4, multimodal as the
     hub's checkpoints are (without their towers), whose full-attention layer has a head_dim of its own; the logged
-    mfu is one device's share of the step's tokens/s x the FLOPs per token at its mean row length over the peak."""
+    mfu is one device's share of the step's tokens/s x the FLOPs per token at its mean row length over the peak.
+    FSDP1's parameters are flat 1-D shards, without the shapes the count needs."""
     tokenizer = demo.build_tokenizer()
     special = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                    eos_token_id=tokenizer.eos_token_id)
@@ -175,7 +177,7 @@ def test_trainer_logs_mfu_of_a_model_with_per_layer_head_dims(tmp_path):
     torchrun(REPO / "tests" / "drivers" / "known_peak_run.py", peak, "recipes/sft.py", "--model_name_or_path",
              tmp_path / "model", "--dataset_name", tmp_path / "train.jsonl", "--output_dir", tmp_path / "run",
              "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_seq_length", "64",
-             "--mixed_precision", "no", "--save_dtype", "float32")
+             "--mixed_precision", "no", "--save_dtype", "float32", "--fsdp_version", fsdp_version)
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     architecture = build_meta_model(config)
