@@ -51,8 +51,8 @@ def run_summary(path: Path) -> dict:
         elif kind == "history":
             row = history.setdefault(record.history.step.num, {})
             for item in record.history.item:
-                name = item.key or "/".join(item.nested_key)
-                if not name.startswith("_"):  # wandb's own (_step, _runtime, ...)
-                    row[name] = json.loads(item.value_json)
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):  # wandb's own (_step, _runtime, ...)
+                    row[key] = json.loads(item.value_json)
     return {"id": run_id, "name": name, "entity": entity, "project": project, "resume": resume, "config": config,
             "history": history}
