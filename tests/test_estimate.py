@@ -302,6 +302,23 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("mixed_precision, reduce_bytes", [("bf16", 4), ("pure_bf16", 2)])
+def test_gathered_parameters_and_gradient_buffers_of_uneven_shards(configs, mixed_precision, reduce_bytes):
+    # The UNEVEN Llama on 2 GPUs, counted by hand: FSDP2 all-gathers padded shards, so a dim-0 of 101 or 75 rows
+    # takes 102 or 76. Root: embed_tokens and lm_head (102 x 40 each), the final norm (40). A layer: q and o (40 x 40),
+    # k and v (20 x 40), gate and up (76 x 40), down (40 x 75), two norms (40).
+    root = 2 * 102 * 40 + 40
+    layer = 2 * 40 * 40 + 2 * 20 * 40 + 2 * 76 * 40 + 40 * 75 + 2 * 40
+    config = load_config(str(configs["llama"]))
+    saved = measure_activations(config, "bf16", 1, 16, "sdpa")
+    est = estimate(build_meta_model(config, MASTER_DTYPE[mixed_precision]), Setting("FULL_SHARD", False, False), 2,
+                   1, mixed_precision, saved)
+    # bf16 compute: the root and two layers (the running and the prefetched one) gathered; the root's gradient and
+    # one layer's, with its reduce-scatter input in fp32 (bf16 mixed precision) or bf16 (pure bf16).
+    assert est.gathered == 2 * (root + 2 * layer)
+    assert est.grad_buffers == 2 * root + layer * (2 + reduce_bytes)
+
+
 @pytest.mark.parametrize("softcapping", [None, 30.0])
 @pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
 def test_logits_and_loss_are_the_peak_of_the_loss_backward(mixed_precision, softcapping):
