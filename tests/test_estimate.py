@@ -369,6 +369,12 @@ def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys)
     for strategy, kept in [("FULL_SHARD", 2 * max(text_layers)), ("SHARD_GRAD_OP", sum(text_layers))]:
         one_gpu = estimate(model, Setting(strategy, False, False), 1, 1, "bf16", saved)
         assert one_gpu.gathered == 2 * (sum(p.numel() for p in root) + kept)
+        # Gradient buffers: the language model's part of the root (not the vision embedder's projection, which
+        # gets no gradient), and the largest language model layer's, in bf16 with its fp32 reduce-scatter input.
+        text_root = sum(p.numel() for name, p in model.named_parameters()
+                        if any(p is q for q in root) and name.startswith("model.language_model."))
+        assert text_root < sum(p.numel() for p in root)
+        assert one_gpu.grad_buffers == 2 * text_root + (2 + 4) * max(text_layers)
     main(["--model", str(write_config(tmp_path / "gemma4.json", GEMMA4_MULTIMODAL.to_dict())), "--num_gpus", "2",
           "--seq_len", "64", "--batch", "1", "--activation_checkpointing"])
     total = sum(p.numel() for p in model.parameters())
