@@ -457,6 +457,21 @@ def test_a_setting_fits_in_90_percent_of_the_gpu_and_the_cheapest_that_fits_is_p
     assert proposal(between).startswith("recommended: SHARD_GRAD_OP with activation checkpointing: ")
 
 
+def test_offload_on_2_nodes_needs_a_whole_replica_per_node_for_hsdp(configs, llama_70b, capsys):
+    # 16 bytes per parameter (fp32 weights, gradients, two Adam states) in the CPU RAM of a node's 8 GPUs: HSDP
+    # holds a whole replica on each node, FULL_SHARD and SHARD_GRAD_OP half of the model (sharded over 16 GPUs).
+    main(["--model", str(configs["8b"]), "--num_gpus", "16", "--num_nodes", "2", "--offload"])
+    rows = {line[:36].strip(): line[36:].split() for line in capsys.readouterr().out.splitlines()}
+    assert rows["parameters (exact, CPU)"] == [f"{4 * 8_030_261_248 / d / 2**30:.2f}" for d in (16, 16, 8)]
+    assert rows["CPU RAM per node (offloaded state)"] == [f"{16 * 8_030_261_248 / d / 2**30:.2f}" for d in (2, 2, 1)]
+    # 70B on 2 nodes x 8 GPUs of 80 GiB: offloaded, HSDP first (its all-gathers stay within a node).
+    model, saved = llama_70b
+    args = parse_args(["--model", str(configs["70b"]), "--num_gpus", "16", "--num_nodes", "2"])
+    assert recommend(model, args, saved).startswith(
+        "recommended: HSDP with activation checkpointing and CPU offload: ")
+    assert f"and {16 * 70_553_706_496 / 2**30:.1f} GiB of CPU RAM per node" in recommend(model, args, saved)
+
+
 def plan_under_launch_node(recipe_keys: str, tmp_path, monkeypatch):
     """The plan, mesh included, that a recipe config holding `recipe_keys` (as the estimate prints them) gets on
     2 nodes x 8 GPUs under slurm/launch_node.sh, which sets accelerate's dp_replicate_size to the node count."""
