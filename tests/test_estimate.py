@@ -567,6 +567,9 @@ def test_bad_input_is_one_clear_line(tmp_path):
         with pytest.raises(ConfigError, match=f"^--gpu_memory must be a positive number \\(GiB per GPU\\), got "
                                               f"{memory}$"):
             parse_args(["--model", "x", "--num_gpus", "8", "--gpu_memory", memory])
+    for name in ("num_gpus", "num_nodes", "seq_len", "batch"):  # a count of 0 would divide by zero or plan nothing
+        with pytest.raises(ConfigError, match=f"^--{name} must be at least 1, got 0$"):
+            parse_args(["--model", "x", "--num_gpus", "8", f"--{name}", "0"])
     with pytest.raises(ConfigError, match="--num_gpus 6 is not divisible by --num_nodes 4"):
         parse_args(["--model", "x", "--num_gpus", "6", "--num_nodes", "4"])
     proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", "no/such/dir/config.json",
