@@ -428,6 +428,9 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f"<out_dir>\\) and pass <out_dir>; to continue its run, pass "
                                           f"resume_from_checkpoint {sharded}$"):
         check(sharded, "sft.py", None)
+    # transformers' Trainer writes its checkpoints' trainer_state.json beside save_pretrained's files: a model folder.
+    (qwen2 / "trainer_state.json").write_text("{}")
+    check(qwen2, "sft.py", None)
     # A folder without config.json (a run's output_dir rather than its final/): one line that names final/.
     shutil.copytree(qwen2, tmp_path / "run" / "final")
     with pytest.raises(ConfigError, match=f"^model_name_or_path {tmp_path}/run is a folder without config.json: give "
