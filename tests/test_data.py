@@ -1838,6 +1838,22 @@ def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
     assert "exitcode  : 2" not in proc.stderr
 
 
+def test_a_config_error_in_rank0s_work_stops_every_rank_with_its_line_and_exit_code_2():
+    """Rank 0's work alone (reading the data or the weights) finds a config error: every rank prints its line and
+    exits 2, as for one every rank finds. Started without a launcher, which would stop rank 1 once rank 0 exits."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "tests/drivers/rank0_fails.py", "config"], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=subprocess_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                 MASTER_PORT=str(port)))
+             for rank in (0, 1)]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], errors
+    assert [error.strip().splitlines()[-1] for error in errors] == ["error: the work's config error: change it"] * 2
+
+
 def test_each_node_builds_the_data_once_after_rank0(tmp_path):
     """With a datasets cache on each node's own disk, every process of the other nodes tokenized again at once:
     now the first process of each node builds (after rank 0), and its node's others read its cache."""
