@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from conftest import REPO, read_metrics, run, subprocess_env
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.distributed import init_distributed
+from fsdp_recipes.distributed import check_started_by_a_launcher, init_distributed
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import build_mesh
 from test_accelerate_configs import process_group_of
@@ -312,6 +312,24 @@ def test_tasks_started_without_a_launcher_are_refused(tiny, tmp_path):
         "launcher: each would train alone, into the same output_dir. Run one task per node that starts the node's "
         "processes with accelerate launch or torchrun (slurm/sft_multinode.sbatch runs slurm/launch_node.sh so)")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("var, what", [("SLURM_STEP_NUM_TASKS", "SLURM job step"), ("OMPI_COMM_WORLD_SIZE", "MPI job"),
+                                       ("PMI_SIZE", "MPI job")])
+def test_each_task_manager_s_tasks_without_a_launcher_are_refused(monkeypatch, var, what):
+    """SLURM's, Open MPI's and MPICH's (PMI) variables each say how many tasks were started: more than one without
+    RANK is refused; one task, or a task whose launcher set RANK, runs."""
+    for name in ["RANK", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, "4")
+    with pytest.raises(ConfigError, match=rf"^this process is one of the 4 tasks of a {what} \({var}\), started "
+                                          r"without a launcher: each would train alone"):
+        check_started_by_a_launcher()
+    monkeypatch.setenv("RANK", "3")
+    check_started_by_a_launcher()
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv(var, "1")
+    check_started_by_a_launcher()
 
 
 def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
