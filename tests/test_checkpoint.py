@@ -1827,6 +1827,27 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
 
 
+def test_a_sigterm_stops_a_one_process_run_with_its_line_and_exit_code_143(tiny, tmp_path):
+    """Without a launcher the recipe's exit code is the job's: 128 + SIGTERM, which SLURM requeue scripts test for,
+    after the line that says what was saved."""
+    args = recipe_args(tiny, tmp_path / "run", "--save_steps", "100", "--max_steps", "100")  # steps to spare
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(tmp_path / "stderr", "w+") as stderr, subprocess.Popen(
+            [sys.executable, RECIPE, *map(str, args)], cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+            stderr=stderr) as proc:
+        while not (metrics.exists() and metrics.read_text()) and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+        stderr.seek(0)
+        lines = stderr.read().strip().splitlines()
+    assert proc.returncode == 143, lines
+    step = max(losses(tmp_path / "run"))
+    assert 1 < step < 100
+    assert lines[-1:] == [f"stopped by SIGTERM after step {step}: saved {tmp_path}/run/checkpoint-{step}; resume with "
+                          f"--resume_from_checkpoint auto"]
+
+
 @pytest.mark.parametrize("in_step, save_steps, message", ids=["mid_run_without_checkpoints", "last_step"], argvalues=[
     (2, 0, "stopped by SIGTERM after step 3: nothing saved, as this run saves no checkpoints (--save_steps 0; set it "
            "to make a stopped run resumable)"),
