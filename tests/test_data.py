@@ -1838,20 +1838,36 @@ def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
     assert "exitcode  : 2" not in proc.stderr
 
 
-def test_a_config_error_in_rank0s_work_stops_every_rank_with_its_line_and_exit_code_2():
-    """Rank 0's work alone (reading the data or the weights) finds a config error: every rank prints its line and
-    exits 2, as for one every rank finds. Started without a launcher, which would stop rank 1 once rank 0 exits."""
+def two_ranks(*args: str) -> list[subprocess.Popen]:
+    """`args` started as ranks 0 and 1 without a launcher, which would stop the other rank once one exits."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "tests/drivers/rank0_fails.py", "config"], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=subprocess_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                                 MASTER_PORT=str(port)))
-             for rank in (0, 1)]
+    return [subprocess.Popen([sys.executable, *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=subprocess_env(RANK=str(rank), WORLD_SIZE="2",
+                                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for rank in (0, 1)]
+
+
+def test_a_config_error_in_rank0s_work_stops_every_rank_with_its_line_and_exit_code_2():
+    """Rank 0's work alone (reading the data or the weights) finds a config error: every rank prints its line and
+    exits 2, as for one every rank finds."""
+    procs = two_ranks("tests/drivers/rank0_fails.py", "config")
     errors = [proc.communicate(timeout=120)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [2, 2], errors
     assert [error.strip().splitlines()[-1] for error in errors] == ["error: the work's config error: change it"] * 2
+
+
+def test_a_rank_gone_before_the_first_long_wait_stops_rank0_at_once():
+    """The long-wait group is made while every rank is there, at init: one made at the first wait waits there for a
+    rank that left before it (still waiting after 2 minutes, measured)."""
+    procs = two_ranks("tests/drivers/rank1_gone.py")
+    try:
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert re.fullmatch(r"rank 0 stopped after [0-9] s: RuntimeError\n", outputs[0][0]), outputs
 
 
 def test_each_node_builds_the_data_once_after_rank0(tmp_path):
