@@ -7,8 +7,8 @@ in-memory layout, in fp32; the converter writes the original (Hub) layout, as fi
 It streams: each output file's safetensors header is planned from the checkpoint's metadata alone, then its
 tensors are read from the checkpoint one at a time (each stored chunk straight into the output tensor), cast, and
 appended to the open file, so peak memory is about the largest tensor, not one output file or the whole model. A
-mixture of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout: it is
-held with its split copies (about 2.25x the fused tensor).
+mixture of experts' fused expert tensor is written as the per-expert matrices of the original (Hub) layout, read
+and split one expert at a time.
 
 The folder is written under `<out_dir>.converting-<random>` next to it and renamed to out_dir (absent or empty)
 when complete and on disk (fsynced); a failure removes that folder, and nothing else is ever removed.
@@ -105,9 +105,9 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
     """Write the checkpoint's weights, model files and config.json (recording `dtype`) into the empty `out_dir`."""
     with contextlib.ExitStack() as open_files:
         if state["format"] == "sharded":
-            shapes, stored, load_tensor = sharded_checkpoint_tensors(checkpoint)
+            shapes, stored, load_tensor, load_row = sharded_checkpoint_tensors(checkpoint)
         else:  # its fp32 safetensors, in the layout the resume loads
-            shapes, stored, load_tensor = full_checkpoint_tensors(checkpoint, open_files)
+            shapes, stored, load_tensor, load_row = full_checkpoint_tensors(checkpoint, open_files)
         # The original (Hub) layout and the weights kept in fp32, as final/ is written; a model with its own code
         # (auto_map) is not built here: its floating-point weights are all written in `dtype`, as they are.
         model = model_names = None
@@ -125,7 +125,7 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
             if state.get("loaded_in_model_layout"):  # as final/ keeps the layout of a source in transformers' own
                 model._weight_conversions = []
             layout = original_layout_of(model, shapes)
-            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor), layout.source
+            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor, load_row), layout.source
             stored = {name: stored[model_names[name]] for name in shapes}
         write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype, model_names), max_shard_size,
                          load_tensor)
@@ -162,32 +162,47 @@ def _umask() -> int:
 
 
 def sharded_checkpoint_tensors(checkpoint: str) -> tuple[dict[str, torch.Size], dict[str, torch.dtype],
-                                                          Callable[[str], torch.Tensor]]:
-    """The shapes and dtypes of the model's tensors in a DCP checkpoint, from its metadata alone, and a loader of
-    one."""
+                                                          Callable[[str], torch.Tensor],
+                                                          Callable[[str, int], torch.Tensor]]:
+    """The shapes and dtypes of the model's tensors in a DCP checkpoint, from its metadata alone, a loader of one,
+    and a loader of one of its rows (along dim 0)."""
     model_dir = os.path.join(checkpoint, "model")
     metadata = read_dcp_metadata(model_dir)
     tensors = {name: md for name, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    chunks: dict[str, list] = {}
-    for index, info in metadata.storage_data.items():
-        chunks.setdefault(index.fqn, []).append((index.offset, info))
+    stored = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
+    chunks = {name: [(chunk, stored[name, tuple(chunk.offsets)]) for chunk in md.chunks]
+              for name, md in tensors.items()}
 
     def load_tensor(name: str) -> torch.Tensor:
         tensor = torch.empty(tensors[name].size, dtype=tensors[name].properties.dtype)
-        if not all(read_chunk_into(tensor, offset, info, model_dir) for offset, info in chunks[name]):
+        if not all(read_chunk_into(tensor, 0, chunk, info, model_dir) for chunk, info in chunks[name]):
             # A layout read_chunk_into does not handle: dcp.load reads this tensor alone (and holds a second copy).
             part = {name: tensor}
             dcp.load(part, storage_reader=SafeFileSystemReader(model_dir), no_dist=True)
         return tensor
 
+    whole: dict[str, torch.Tensor] = {}
+
+    def load_row(name: str, row: int) -> torch.Tensor:
+        if name not in whole:
+            tensor = torch.empty((1, *tensors[name].size[1:]), dtype=tensors[name].properties.dtype)
+            holding = [(chunk, info) for chunk, info in chunks[name]
+                       if chunk.offsets[0] <= row < chunk.offsets[0] + chunk.sizes[0]]
+            if all(read_chunk_into(tensor, row, chunk, info, model_dir) for chunk, info in holding):
+                return tensor
+            whole[name] = load_tensor(name)  # a layout read_chunk_into does not handle: read once for all its rows
+        tensor = whole[name] if row + 1 < len(whole[name]) else whole.pop(name)  # freed with its last row
+        return tensor[row:row + 1]
+
     shapes = {name: md.size for name, md in tensors.items()}
-    return shapes, {name: md.properties.dtype for name, md in tensors.items()}, load_tensor
+    return shapes, {name: md.properties.dtype for name, md in tensors.items()}, load_tensor, load_row
 
 
 def full_checkpoint_tensors(checkpoint: str, open_files: contextlib.ExitStack
-                            ) -> tuple[dict[str, torch.Size], dict[str, torch.dtype], Callable[[str], torch.Tensor]]:
-    """The shapes and dtypes of a full checkpoint's tensors, from its safetensors headers, and a loader of one
-    (mmap)."""
+                            ) -> tuple[dict[str, torch.Size], dict[str, torch.dtype], Callable[[str], torch.Tensor],
+                                       Callable[[str, int], torch.Tensor]]:
+    """The shapes and dtypes of a full checkpoint's tensors, from its safetensors headers, a loader of one and a
+    loader of one of its rows (mmap)."""
     owner, shapes, stored = {}, {}, {}
     dtype_of = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
     for file in safetensors_files(checkpoint):
@@ -196,17 +211,19 @@ def full_checkpoint_tensors(checkpoint: str, open_files: contextlib.ExitStack
             header = handle.get_slice(name)
             owner[name], shapes[name] = handle, torch.Size(header.get_shape())
             stored[name] = dtype_of[header.get_dtype()]
-    return shapes, stored, lambda name: owner[name].get_tensor(name)
+    return (shapes, stored, lambda name: owner[name].get_tensor(name),
+            lambda name, row: owner[name].get_slice(name)[row:row + 1])
 
 
-def read_chunk_into(tensor: torch.Tensor, offset: torch.Size, info, model_dir: str) -> bool:
-    """Read one stored chunk of `tensor` (a slice along dim 0, starting at `offset`) straight into its bytes.
+def read_chunk_into(tensor: torch.Tensor, first_row: int, chunk, info, model_dir: str) -> bool:
+    """Read the rows of one stored chunk (`chunk`: a slice along dim 0 of a tensor) that fall in `tensor`, which
+    holds the tensor's rows from `first_row` on (a 0-d tensor: all of it), straight into its bytes.
 
     DCP stores each chunk as a torch.save zip archive at `info.offset` of a data file; the chunk's storage is one
     uncompressed record in it. Reading that record into the destination directly, without unpickling anything,
     keeps one copy of the tensor in memory instead of two. Returns False (nothing read) for any other layout.
     """
-    if getattr(info, "transform_descriptors", None) or any(offset[1:]):
+    if getattr(info, "transform_descriptors", None) or any(chunk.offsets[1:]) or chunk.sizes[1:] != tensor.shape[1:]:
         return False
     with open(os.path.join(model_dir, info.relative_path), "rb") as f:
         try:
@@ -214,21 +231,22 @@ def read_chunk_into(tensor: torch.Tensor, offset: torch.Size, info, model_dir: s
         except zipfile.BadZipFile:
             return False
         storage = [r for r in records if "/data/" in r.filename]
-        rows = tensor.shape[0] if tensor.dim() else 1
-        destination = tensor.reshape(rows, -1)[offset[0] if tensor.dim() else 0:]
         if len(storage) != 1 or storage[0].compress_type != zipfile.ZIP_STORED:
             return False
         record = storage[0]
-        row_bytes = destination[0].numel() * tensor.element_size() if destination.numel() else 0
-        if not row_bytes or record.file_size % row_bytes or record.file_size // row_bytes > len(destination):
+        rows = tensor.reshape(len(tensor) if tensor.dim() else 1, -1)
+        start, count = (chunk.offsets[0], chunk.sizes[0]) if tensor.dim() else (0, 1)
+        row_bytes = rows[0].numel() * tensor.element_size() if rows.numel() else 0
+        if not row_bytes or record.file_size != count * row_bytes:
             return False
+        first, end = max(start, first_row), min(start + count, first_row + len(rows))  # the rows read
         # The record's data follows its 30-byte local header, file name and extra field.
         f.seek(info.offset + record.header_offset)
         header = f.read(30)
         name_length, extra_length = struct.unpack("<HH", header[26:30])
-        f.seek(info.offset + record.header_offset + 30 + name_length + extra_length)
-        target = destination[:record.file_size // row_bytes]
-        return f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) == record.file_size
+        f.seek(info.offset + record.header_offset + 30 + name_length + extra_length + (first - start) * row_bytes)
+        target = rows[first - first_row:end - first_row]
+        return f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) == (end - first) * row_bytes
 
 
 class _FileSlice(io.RawIOBase):

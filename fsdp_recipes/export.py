@@ -272,9 +272,14 @@ def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]
         shapes = {name: t.shape for name, t in state_dict.items() if name not in tied}
         stored = {name: state_dict[name].dtype for name in shapes}
         load_tensor, model_names = state_dict.pop, None  # each tensor is freed once written
+
+        def load_row(name: str, row: int) -> torch.Tensor:  # a source converted row by row: freed with its last row
+            tensor = state_dict[name] if row + 1 < len(state_dict[name]) else state_dict.pop(name)
+            return tensor[row:row + 1]
+
         if original_layout:
             layout = original_layout_of(model.module if isinstance(model, FSDP) else model, shapes)
-            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor), layout.source
+            shapes, load_tensor, model_names = layout.shapes, layout.loader(load_tensor, load_row), layout.source
             stored = {name: stored[model_names[name]] for name in shapes}
         write_hf_weights(out_dir, shapes, weight_dtypes(model, stored, dtype, model_names), max_shard_size,
                          load_tensor)
@@ -282,15 +287,24 @@ def write_gathered_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]
 
 class OriginalLayout:
     """Which tensors each of the model's tensors is saved as in its original layout, and a loader that converts
-    one source tensor at a time (holding it and its converted copies only until they are written)."""
+    one source tensor at a time (holding it and its converted copies only until they are written).
 
-    def __init__(self, model: nn.Module, targets: dict[str, dict[str, torch.Size]]):
-        self.model, self.targets = model, targets
+    A source converted row by row (a mixture of experts' fused experts, one row per expert: see converted_by_row)
+    is read and converted one row at a time, its targets written row after row: one expert's matrices are held,
+    not the fused tensor and all its copies."""
+
+    def __init__(self, model: nn.Module, targets: dict[str, dict[str, torch.Size]],
+                 by_row: dict[str, list[dict[str, str]]]):
+        self.model, self.targets, self.by_row = model, targets, by_row
         # Grouped by source: a source's targets are written one after another, so it is loaded once.
         self.shapes = {name: shape for outputs in targets.values() for name, shape in outputs.items()}
         self.source = {name: source for source, outputs in targets.items() for name in outputs}
+        self.row = {target: row for rows in by_row.values() for row, names in enumerate(rows)
+                    for target in names.values()}
 
-    def loader(self, load_source: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    def loader(self, load_source: Callable[[str], torch.Tensor],
+               load_row: Callable[[str, int], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        """`load_source(name)` gives a whole source tensor, `load_row(name, row)` its rows [row, row + 1)."""
         converted: dict[str, torch.Tensor] = {}
 
         def load(name: str) -> torch.Tensor:
@@ -299,7 +313,13 @@ class OriginalLayout:
                 return load_source(source)
             if name not in converted:
                 converted.clear()
-                converted.update(revert_weight_conversion(self.model, {source: load_source(source)}))
+                if source in self.by_row:
+                    row = self.row[name]
+                    names = self.by_row[source][row]
+                    one_row = revert_weight_conversion(self.model, {source: load_row(source, row)})
+                    converted.update({names[one]: tensor for one, tensor in one_row.items()})
+                else:
+                    converted.update(revert_weight_conversion(self.model, {source: load_source(source)}))
             return converted.pop(name)
 
         return load
@@ -322,5 +342,37 @@ def original_layout_of(model: nn.Module, shapes: dict[str, torch.Size]) -> Origi
     if whole != {name: shape for outputs in targets.values() for name, shape in outputs.items()}:
         print(f"export: {type(model).__name__}'s original layout joins several tensors into one: its weights are "
               f"written in transformers' in-memory layout, which from_pretrained also loads", flush=True)
-        targets = {name: {name: shape} for name, shape in shapes.items()}
-    return OriginalLayout(model, targets)
+        return OriginalLayout(model, {name: {name: shape} for name, shape in shapes.items()}, {})
+    by_row = {}
+    for name, outputs in targets.items():
+        rows = converted_by_row(model, name, meta[name], outputs) if list(outputs) != [name] else None
+        if rows:
+            by_row[name] = rows
+            targets[name] = {target: outputs[target] for names in rows for target in names.values()}  # row by row
+    return OriginalLayout(model, targets, by_row)
+
+
+def converted_by_row(model: nn.Module, source: str, tensor: torch.Tensor, outputs: dict[str, torch.Size]
+                     ) -> list[dict[str, str]] | None:
+    """For each row of `source` (along its first dimension), which of `outputs` (its converted tensors) that row
+    alone converts into: {name from a one-row conversion: name in outputs}. transformers splits a fused expert
+    tensor into a module list, and names a one-row tensor's matrices as its first expert's (experts.0.gate_proj);
+    row r's are the outputs named with that 0 replaced by r. None unless the rows' conversions make up exactly
+    `outputs`, shapes included (a conversion that is not a split by rows: the source is converted whole)."""
+    if tensor.dim() == 0 or len(tensor) < 2:
+        return None
+    one_row = {name: t.shape for name, t in revert_weight_conversion(model, {source: tensor[:1]}).items()}
+    rows = []
+    for row in range(len(tensor)):
+        names = {}
+        for name, shape in one_row.items():
+            parts = name.split(".")
+            found = {".".join([*parts[:i], str(row), *parts[i + 1:]]) for i, part in enumerate(parts) if part == "0"}
+            found &= outputs.keys()
+            if len(found) != 1 or outputs[next(iter(found))] != shape:
+                return None
+            names[name] = found.pop()
+        rows.append(names)
+    if sorted(target for names in rows for target in names.values()) != sorted(outputs):
+        return None
+    return rows

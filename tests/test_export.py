@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config,
                           Gemma3ForConditionalGeneration, GPTNeoXConfig, get_scheduler)
 
-from fsdp_recipes import demo
+from fsdp_recipes import convert as convert_module, demo
 from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
@@ -199,6 +199,54 @@ def test_a_source_in_transformers_layout_is_exported_and_converted_in_it(tmp_pat
             assert set(safetensors_dtypes(tmp_path / folder)) == names, folder
             config_json = json.loads((tmp_path / folder / "config.json").read_text())
             assert config_json["architectures"] == ["Qwen3MoeForCausalLM"], folder
+
+
+MOE_FAMILIES = {  # fused on load by transformers 5: gate_up_proj and down_proj, one row per expert
+    "qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=1, head_dim=16,
+                      num_experts=4, num_experts_per_tok=2),
+    "mixtral": dict(intermediate_size=16, num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=2),
+    # Dense first layer, then routed experts beside a shared one.
+    "deepseek_v3": KEEPS_FP32["deepseek_v3"],
+}
+
+
+@pytest.mark.parametrize("model_type", MOE_FAMILIES)
+def test_fused_experts_are_written_per_expert_as_the_source_holds_them(tmp_path, model_type, one_process_group):
+    # The export and the converter (of either checkpoint format) split each fused expert tensor one expert at a
+    # time: every per-expert matrix must land under its own expert's name, bit-equal to the source's.
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, **MOE_FAMILIES[model_type])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    source = safetensors.torch.load_file(tmp_path / "source" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.2.down_proj.weight" in source or (
+        "model.layers.1.block_sparse_moe.experts.2.w2.weight" in source)
+    folders, checkpoints = ["final"], {}
+    for fmt in ["sharded", "full"]:
+        cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--output_dir",
+                            str(tmp_path / fmt), "--mixed_precision", "no", "--save_steps", "1",
+                            "--save_state_dict_type", fmt])
+        model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+        if fmt == "sharded":
+            save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+        optimizer = build_optimizer(model, cfg)
+        checkpoints[fmt] = save_checkpoint(cfg, model, optimizer, get_scheduler("constant", optimizer), tokenizer,
+                                           step=1, epoch=0, wandb_run=None)
+        convert(checkpoints[fmt], str(tmp_path / f"converted_{fmt}"), torch.float32)
+        folders.append(f"converted_{fmt}")
+    # A DCP layout the direct reader does not handle: each fused tensor is read whole, once, through dcp.load.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(convert_module, "read_chunk_into", lambda *args: False)
+        convert(checkpoints["sharded"], str(tmp_path / "converted_dcp_load"), torch.float32)
+    folders.append("converted_dcp_load")
+    for folder in folders:
+        written = {}
+        for file in (tmp_path / folder).glob("*.safetensors"):
+            written.update(safetensors.torch.load_file(file))
+        assert written.keys() == source.keys(), folder
+        assert all(torch.equal(written[name], tensor) for name, tensor in source.items()), folder
 
 
 def test_an_export_starts_afresh_from_what_a_killed_one_left(tmp_path, one_process_group):
