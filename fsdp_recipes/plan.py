@@ -238,10 +238,18 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
             env_strategy = "SHARD_GRAD_OP"
         if isinstance(env_reshard, str):
             # accelerate exports fsdp_sharding_strategy as FULL_SHARD when the YAML leaves it out.
-            if env_strategy not in (None, "FULL_SHARD", env_reshard) and cfg.fsdp_sharding_strategy is None:
+            written = {"fsdp_reshard_after_forward": env_reshard}
+            if env_strategy not in (None, "FULL_SHARD", env_reshard):
+                written["fsdp_sharding_strategy"] = env_strategy
+            if cfg.fsdp_sharding_strategy is None and len(written) > 1:
                 raise ConfigError(f"the accelerate config sets fsdp_sharding_strategy {env_strategy} and "
                                   f"fsdp_reshard_after_forward {env_reshard}: keep one of them")
-            env_strategy = env_reshard
+            if cfg.fsdp_sharding_strategy is not None and set(written.values()) != {cfg.fsdp_sharding_strategy}:
+                # The note names each strategy the accelerate config wrote, under the key it wrote it.
+                replaced = " and ".join(f"{key} {value!r}" for key, value in written.items())
+                overrides.append(f"fsdp_sharding_strategy: recipe config {cfg.fsdp_sharding_strategy!r} overrides "
+                                 f"accelerate config {replaced}")
+            env_strategy = None if cfg.fsdp_sharding_strategy is not None else env_reshard
         strategy = pick("fsdp_sharding_strategy", cfg.fsdp_sharding_strategy, env_strategy, "FULL_SHARD")
         if strategy not in FSDP1_STRATEGIES:
             raise ConfigError(f"fsdp_sharding_strategy must be one of {', '.join(FSDP1_STRATEGIES)}, got {strategy}")

@@ -133,7 +133,14 @@ def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
     plan = plan_for("--fsdp_sharding_strategy", "FULL_SHARD")
     assert (plan.sharding_strategy, plan.reshard_after_forward) == ("FULL_SHARD", True)
     assert plan.overrides == ["fsdp_sharding_strategy: recipe config 'FULL_SHARD' overrides accelerate config "
-                              "'SHARD_GRAD_OP'"]
+                              "fsdp_reshard_after_forward 'SHARD_GRAD_OP' and fsdp_sharding_strategy 'NO_SHARD'"]
+    # One strategy, under fsdp_reshard_after_forward: the note names that key; the same strategy: no note.
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "FULL_SHARD")
+    assert plan_for("--fsdp_sharding_strategy", "NO_SHARD").overrides == [
+        "fsdp_sharding_strategy: recipe config 'NO_SHARD' overrides accelerate config fsdp_reshard_after_forward "
+        "'SHARD_GRAD_OP'"]
+    plan = plan_for("--fsdp_sharding_strategy", "SHARD_GRAD_OP")
+    assert (plan.sharding_strategy, plan.overrides) == ("SHARD_GRAD_OP", [])
 
 
 def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
