@@ -22,12 +22,17 @@ def mixed_precision(plan: ShardingPlan) -> Optional[MixedPrecision]:
     return None
 
 
+def check_offload_device(plan: ShardingPlan, device: torch.device) -> None:
+    """FSDP1's offload on a machine without a GPU: an error before the model loads, not after."""
+    if plan.fsdp_version == 1 and plan.offload_params and device.type == "cpu":
+        raise ConfigError("FSDP1 CPU offload (CPUOffload) needs a GPU: torch cannot run it on CPU. On CPU use "
+                          "fsdp_version 2, whose CPUOffloadPolicy works there")
+
+
 def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: Optional[DeviceMesh],
           device: torch.device) -> FSDP:
     """Wrap each of `units` (decoder layers, or the size-based units) and the root."""
-    if plan.offload_params and device.type == "cpu":
-        raise ConfigError("FSDP1 CPU offload (CPUOffload) needs a GPU: torch cannot run it on CPU. On CPU use "
-                          "fsdp_version 2, whose CPUOffloadPolicy works there")
+    check_offload_device(plan, device)
     unit_ids = {id(unit) for unit in units}
     policy = CustomPolicy(lambda module: id(module) in unit_ids)
     is_meta = any(p.is_meta for p in model.parameters())

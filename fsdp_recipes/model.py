@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
 from .distributed import long_wait_group, run_on_rank0
+from . import fsdp1
 from .families import hub_cache_miss, model_load_error
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
@@ -166,6 +167,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     With `cpu_ram_efficient_loading` only rank 0 reads the weights: every rank builds the model with its parameters
     on the meta device, shards it, allocates its own shards only, and rank 0 broadcasts the weights into them.
     """
+    fsdp1.check_offload_device(plan, device)
     dtype = MASTER_DTYPE[plan.mixed_precision]
     if not plan.cpu_ram_efficient_loading:
         model = load_model(cfg, dtype)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.model import load_sharded_model
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
                                    describe_plan, find_layer_classes, gradient_sync, shard_model,
@@ -434,11 +435,18 @@ def test_master_weights_must_have_the_planned_dtype(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a GPU")
-def test_fsdp1_offload_on_cpu_is_a_clear_error(monkeypatch):
+def test_fsdp1_offload_on_cpu_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     plan = plan_for("--fsdp_version", "1", "--fsdp_offload_params", "true")
     with pytest.raises(ConfigError, match="FSDP1 CPU offload .* needs a GPU.* use fsdp_version 2"):
         fsdp1.shard(tiny_model(), (), plan, None, torch.device("cpu"))
+    # Before the model loads (a folder with no weights in it would be the error otherwise), on either loading path.
+    tiny_model().config.save_pretrained(tmp_path)
+    for rank0_loading in ["false", "true"]:
+        cfg = parse_config(["--model_name_or_path", str(tmp_path), "--dataset_name", "d", "--fsdp_version", "1",
+                            "--fsdp_offload_params", "true", "--fsdp_cpu_ram_efficient_loading", rank0_loading])
+        with pytest.raises(ConfigError, match="FSDP1 CPU offload .* needs a GPU"):
+            load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
 
 
 def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_process(monkeypatch):
