@@ -793,6 +793,7 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
         ({"messages": [messages[0], {**messages[1], "tool_calls": [{"function": {"arguments": {}}}]}]},
          r"row 1: message 1: 'tool_calls' must be a list of calls"),
         ({**TOOL_CHAT, "tools": "get_weather"}, r"row 1: 'tools' must be a list of function definitions"),
+        ({**TOOL_CHAT, "tools": ["get_weather"]}, r"row 1: 'tools' must be a list of function definitions"),
         ({"prompt": "a", "completion": "b", "tools": TOOLS}, r"row 1: a 'tools' column is read with chat data \(a "
                                                              r"'messages' column\) only, and this data set is read as "
                                                              r"prompt_completion"),
@@ -908,6 +909,10 @@ def test_formats_are_detected_from_columns_or_forced():
     every = ["text", "prompt", "completion", "instruction", "output", "messages"]
     assert [detect_format(every[:n]) for n in (6, 5, 3)] == ["chat", "instruction", "prompt_completion"]
     assert detect_format(["text", "prompt", "completion"], forced="text") == "text"
+    # A forced format needs its columns too: without them tokenizing would fail on a missing key, row by row.
+    with pytest.raises(ConfigError, match=r"^cannot read the data as chat: found the columns \['prompt', "
+                                          r"'completion'\]; expected chat: messages \(rename with"):
+        detect_format(["prompt", "completion"], forced="chat")
     with pytest.raises(ConfigError, match=r"found the columns \['question', 'answer'\]; expected chat: messages; "
                                           r"instruction: instruction, output; .*text: text"):
         detect_format(["question", "answer"])
@@ -1090,7 +1095,8 @@ def test_samples_are_prompted_as_the_data_were_trained_unless_the_config_says(tm
     """A model trained on prompt/completion data never saw the chat template, even where its tokenizer has one."""
     demo.write_jsonl(tmp_path / "chat.jsonl", [CHAT] * 4)
     demo.write_jsonl(tmp_path / "pc.jsonl", ROWS)
-    for data, expected in [("pc.jsonl", False), ("chat.jsonl", True)]:
+    demo.write_jsonl(tmp_path / "instruction.jsonl", [{"instruction": "ab", "output": "ba"}] * 4)
+    for data, expected in [("pc.jsonl", False), ("chat.jsonl", True), ("instruction.jsonl", True)]:
         run = cfg(tmp_path / data, generation_prompts=["a1"])
         build_datasets(run, demo.build_tokenizer())  # the demo tokenizer has a chat template
         assert run.generation_use_chat_template is expected
@@ -1296,6 +1302,8 @@ def test_eval_split_given_or_carved_with_a_fixed_seed(tmp_path):
     assert (len(train), len(eval_set)) == (30, 10)
     assert list(eval_set["input_ids"]) == list(again_eval["input_ids"])
     assert list(train["input_ids"]) == list(again_train["input_ids"])
+    _, other_eval = build_datasets(cfg(tmp_path / "d.jsonl", eval_fraction=0.25, seed=7), TOKENIZER)
+    assert sorted(eval_set["input_ids"]) != sorted(other_eval["input_ids"])  # drawn by the seed
     all_ids = sorted(map(tuple, list(train["input_ids"]) + list(eval_set["input_ids"])))
     assert all_ids == sorted(tuple(tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"]) for r in ROWS)
 
@@ -1618,6 +1626,7 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_weights="x"), r"dataset_weights must be positive numbers .* got 'x'"),
         (cfg(f"{tmp_path}/ok.jsonl,{tmp_path}/ok.jsonl", dataset_weights="1,-0.5"), r"positive numbers .*'1,-0.5'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="inf"), r"positive numbers .*got 'inf'"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
