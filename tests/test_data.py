@@ -887,6 +887,22 @@ def test_an_answer_closed_otherwise_when_rendered_last_is_refused_not_cut_before
         tokenize_example(chat, "chat", tokenizer, 64)
 
 
+def test_an_answer_whose_tool_calls_only_an_earlier_turn_shows_is_refused_not_trained_without_them():
+    """A template that writes an answer's tool calls only when a later message follows: rendered as the last message,
+    the turn ends before its calls, which the chat holds. Refused, rather than trained on the text beside them."""
+    tokenizer = char_tokenizer("{% for m in messages %}{{ m.role + ': ' + m.content }}{% if not loop.last %}"
+                               "{% for c in m.tool_calls or [] %}{{ ' call ' + c.function.name }}{% endfor %}"
+                               "{% endif %}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant: "
+                               "{% endif %}", None, "</s>", ["</s>"])
+    messages = TOOL_CHAT["messages"]
+    chat = {"messages": [messages[0], {**messages[1], "content": "Let me look."}, *messages[2:]]}
+    assert "assistant: Let me look. call get_weather</s>tool:" in tokenizer.apply_chat_template(chat["messages"],
+                                                                                                  tokenize=False)
+    with pytest.raises(ConfigError, match=r"^row 1: .* so assistant turns cannot be located: set completion_only_loss "
+                                          r"false$"):
+        tokenize_example(chat, "chat", tokenizer, 1024)
+
+
 def test_truncation_keeps_the_first_tokens():
     out = tokenize_example({"prompt": "abc", "completion": "defg"}, "prompt_completion", TOKENIZER, max_seq_length=5)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d"] and out["overlong"]
