@@ -82,6 +82,27 @@ def test_samples_stop_at_the_stop_strings_of_the_folders_generation_config(tiny,
         free[0, ids.shape[1]:], skip_special_tokens=True))
 
 
+def test_samples_are_greedy_and_plain_text_whatever_the_folders_generation_config(tiny, tmp_path):
+    """A folder whose generation_config.json samples (Llama 3 Instruct's do_sample true) is answered greedily, and its
+    answer is text: the EOS that ends it (here forced as the last token) is no part of it."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = shutil.copytree(tiny["model"], tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    generation_config = GenerationConfig.from_pretrained(folder)
+    generation_config.update(do_sample=True, temperature=50.0, top_k=0, forced_eos_token_id=tokenizer.eos_token_id)
+    generation_config.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer(tokenizer.bos_token + "reverse: abc", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0]
+    assert greedy[-1] == tokenizer.eos_token_id and len(greedy) == ids.shape[1] + 6
+    torch.manual_seed(0)
+    [sample] = generate_samples(str(folder), ["reverse: abc"], 6, False, torch.device("cpu"), "sdpa")
+    assert sample["completion"] == tokenizer.decode(greedy[ids.shape[1]:-1])
+
+
 def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_before_training(tiny, tmp_path):
     """GPT-2's positions are a table: generation past it fails with an IndexError (a device-side assert on a GPU),
     after the whole run. The recipe refuses such a prompt before the first step."""
