@@ -35,7 +35,7 @@ from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
-from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, split_recipe, sync_recipes
+from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, new_recipe, split_recipe, sync_recipes
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
 from fsdp_recipes.trainer import check_packed_router_loss, forward_backward
@@ -772,6 +772,21 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
                                  f'MODEL=gemma3` cannot write that file: it exists)\n')
     assert sorted(p.name for p in recipes.rglob("*")) == ["configs", "gemma3_sft.yaml", "gemma_sft.py"]
     assert (recipes / "gemma_sft.py").read_text() == (REPO / "recipes" / "gemma_sft.py").read_text()
+
+
+def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path):
+    """A MODEL that is a path ('../olmo2') would write outside the recipes folder; a model type beside --sync would be
+    left undone without a word. Each is refused, and nothing is written."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    for model_type in ("../olmo2", "olmo 2", ""):
+        with pytest.raises(SystemExit, match=rf"^error: MODEL must be a model_type as config.json spells it \(e.g. "
+                                             rf"olmo2\), got {re.escape(repr(model_type))}$"):
+            new_recipe(model_type, str(recipes))
+    proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "olmo2", "--sync", "--recipes_dir", recipes],
+               expect_rc=2)
+    assert proc.stderr.endswith("error: give a model_type, or --sync\n")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["recipes"]
 
 
 def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
