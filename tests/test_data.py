@@ -1643,6 +1643,8 @@ def bad_input_cases(tmp_path):
         (cfg(f"{tmp_path}/ok.jsonl,{tmp_path}/ok.jsonl", dataset_weights="1,-0.5"), r"positive numbers .*'1,-0.5'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="inf"), r"positive numbers .*got 'inf'"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="0.01"), r"^dataset weight 0.01 of a data set of 40 examples "
+                                                               r"keeps none of them$"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
