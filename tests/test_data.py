@@ -1367,6 +1367,18 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
         build_datasets(cfg(tmp_path / "dict", dataset_split="train[:5]", eval_split="all"), TOKENIZER)
 
 
+def test_only_the_splits_named_are_read(tmp_path):
+    """A split the run does not name is not read: a broken test file beside train.jsonl stops only a run that
+    evaluates on it."""
+    (tmp_path / "folder").mkdir()
+    demo.write_jsonl(tmp_path / "folder" / "train.jsonl", ROWS)
+    (tmp_path / "folder" / "test.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    train, _ = build_datasets(cfg(tmp_path / "folder"), TOKENIZER)
+    assert len(train) == len(ROWS)
+    with pytest.raises(ConfigError, match=r"^cannot parse .*folder/test.jsonl, line 2: Expecting value$"):
+        build_datasets(cfg(tmp_path / "folder", eval_split="test"), TOKENIZER)
+
+
 def test_column_mapping_and_weighted_mixture(tmp_path):
     demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
     demo.write_jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": "x"} for i in range(10)])
