@@ -794,6 +794,8 @@ def test_a_template_without_tools_or_bad_tool_rows_stop_with_the_row(tmp_path):
          r"row 1: message 1: 'tool_calls' must be a list of calls"),
         ({**TOOL_CHAT, "tools": "get_weather"}, r"row 1: 'tools' must be a list of function definitions"),
         ({**TOOL_CHAT, "tools": ["get_weather"]}, r"row 1: 'tools' must be a list of function definitions"),
+        ({"messages": [messages[0], {"role": "assistant", "content": "20 C.", "reasoning_content": ["sunny"]}]},
+         r"row 1: message 1: 'reasoning_content' must be a string"),
         ({"prompt": "a", "completion": "b", "tools": TOOLS}, r"row 1: a 'tools' column is read with chat data \(a "
                                                              r"'messages' column\) only, and this data set is read as "
                                                              r"prompt_completion"),
