@@ -19,7 +19,7 @@ from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import shard_model, state_dict_name
-from fsdp_recipes.trainer import build_optimizer, token_loss_sum, train
+from fsdp_recipes.trainer import build_optimizer, clip_grad_norm, token_loss_sum, train
 
 from conftest import read_metrics, torchrun
 
@@ -135,3 +135,28 @@ def test_logged_loss_grad_norm_tokens_and_learning_rate_equal_a_reference_step_w
     # Without the clipping the later losses differ by far more than the tolerance: the comparison can fail.
     unclipped = reference_run(cfg, train_data, tokenizer, math.inf)
     assert abs(unclipped[-1]["loss"] - reference[-1]["loss"]) > 1e-3 * reference[-1]["loss"]
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_max_grad_norm_0_or_less_leaves_the_gradient_unclipped(tiny, one_process_group, fsdp_version):
+    # 0 (or less, as in TrainingArguments) disables clipping: a clip to 0 would zero every gradient, and the run would
+    # train nothing while logging the unclipped norm.
+    cfg = parse_config(["--model_name_or_path", str(tiny["model"]), "--dataset_name", "unused", "--fsdp_version",
+                        str(fsdp_version), "--mixed_precision", "no"])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    ids = torch.randint(5, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def clipped(max_norm: float) -> tuple[float, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        token_loss_sum(model(input_ids=ids).logits, ids).backward()
+        norm = clip_grad_norm(model, max_norm).item()
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+        return norm, torch.cat([g.flatten() for g in grads])
+
+    norm, unclipped = clipped(math.inf)
+    assert norm == pytest.approx(unclipped.norm().item(), rel=1e-5) and norm > 2  # the default of 1 would clip it
+    for max_norm in (0.0, -1.0):
+        disabled_norm, grad = clipped(max_norm)
+        assert disabled_norm == norm and torch.equal(grad, unclipped), max_norm
+    # A positive max_norm does clip, so the comparison above can fail.
+    assert clipped(norm / 4)[1].norm().item() == pytest.approx(norm / 4, rel=1e-4)
