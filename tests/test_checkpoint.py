@@ -1892,6 +1892,32 @@ def test_a_sigterm_in_a_step_stops_the_run_after_the_next(tiny, tmp_path, one_pr
                                             else ["metrics.jsonl"])
 
 
+def test_a_step_stopped_by_sigterm_leaves_its_evaluation_to_the_resume(tiny, tmp_path, one_process_group, monkeypatch):
+    """A SIGTERM in step 1 stops the run after step 2, an evaluation step: step 2 is saved but not evaluated (the
+    evaluation would eat into the time left before the kill), and the resume evaluates it before step 3."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--max_steps", "3", "--eval_fraction", "0.07",
+                                                        "--eval_steps", "2", "--logging_steps", "1")])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    train_data, eval_data = build_datasets(cfg, tokenizer)
+    forward_backward = trainer.forward_backward
+
+    def sigterm_in_step_1(*args, **kwargs):
+        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", sigterm_in_step_1)
+    with pytest.raises(trainer.StoppedBySigterm, match="^stopped by SIGTERM after step 2: saved .*checkpoint-2;"):
+        train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
+              MetricsLogger(cfg, is_main=True), None, eval_data)
+    assert [(m["step"], "eval/loss" in m) for m in read_metrics(tmp_path / "metrics.jsonl")] == [(1, False), (2, False)]
+    train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
+          MetricsLogger(cfg, is_main=True), str(tmp_path / "checkpoint-2"), eval_data)
+    assert [(m["step"], "eval/loss" in m) for m in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, False), (2, False), (2, True), (3, False), (3, True)]
+
+
 @pytest.mark.parametrize("save_steps", [0, 6])
 def test_a_sigterm_in_the_final_evaluation_of_a_resume_at_the_last_step_names_its_checkpoint(
         tiny, tmp_path, one_process_group, monkeypatch, save_steps):
