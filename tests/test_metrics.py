@@ -230,6 +230,26 @@ def test_throughput_counts_the_steps_since_the_last_log(tiny, tmp_path, one_proc
     assert [m["tokens_per_second"] for m in logged] == [(input_tokens[k] + input_tokens[k + 1]) / 2 for k in (0, 2, 4)]
 
 
+def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny, tmp_path, one_process_group, capsys):
+    """42 sequences in global batches of 4 x 2 (accumulation): an epoch is 5 optimizer steps (2 sequences left out),
+    so step 6 is logged as epoch 1.2 and checkpoint-5, the last step of the first epoch, records 1 epoch done."""
+    cfg = parse_config([str(arg) for arg in [
+        "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+        "--max_steps", "6", "--save_steps", "5", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+        "2", "--mixed_precision", "no", "--max_seq_length", "64"]])
+    tokenizer = load_tokenizer(cfg)
+    train_data = build_datasets(cfg, tokenizer)[0].select(range(42))
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    trainer.train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
+                  MetricsLogger(cfg, is_main=True))
+    assert ("training: 6 steps (0 of warm-up) of 2 x 4 sequences on each of 1 ranks; an epoch trains 40 of its 42 "
+            "sequences (the 2 that do not fill a global batch of 8 are left out, others each epoch)"
+            in capsys.readouterr().out)
+    assert [m["epoch"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [step / 5 for step in range(1, 7)]
+    for step in (5, 6):
+        assert json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())["epoch"] == 1
+
+
 def test_eval_batch_defaults_to_the_training_micro_batch():
     # Evaluation then holds no more than a training micro-batch: qwen3_moe_sft.yaml trains 1 sequence of 4096
     # tokens, whose fp32 logits over Qwen3's 151,936-token vocabulary take 2.3 GiB; the old default (8) held 8 times
