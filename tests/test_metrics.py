@@ -21,7 +21,7 @@ import torch
 import wandb
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, read_metrics, run, subprocess_env, torchrun
+from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
 from fsdp_recipes import progress, trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
@@ -248,6 +248,31 @@ def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny,
     assert [m["epoch"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [step / 5 for step in range(1, 7)]
     for step in (5, 6):
         assert json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())["epoch"] == 1
+
+
+def test_an_evaluation_between_steps_leaves_the_training_steps_as_they_were(tiny, tmp_path, one_process_group):
+    """With attention dropout, the losses of a run evaluated after every step equal those of the run without
+    evaluation: evaluation puts the model back in training mode (dropout on) and draws nothing from the RNG."""
+    model_dir = write_tiny_model(tmp_path / "model", dtype=torch.float32, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, attention_dropout=0.5)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    losses = {}
+    for evaluated in (False, True):
+        out = tmp_path / str(evaluated)
+        cfg = parse_config([str(arg) for arg in [
+            "--model_name_or_path", model_dir, "--dataset_name", tiny["data"], "--output_dir", out,
+            "--max_steps", "3", "--per_device_train_batch_size", "4", "--mixed_precision", "no", "--max_seq_length",
+            "64", "--eval_fraction", "0.07", "--eval_steps", "1", "--logging_steps", "1"]])
+        tokenizer = load_tokenizer(cfg)
+        train_data, eval_data = build_datasets(cfg, tokenizer)
+        model = shard_model(load_model(cfg), resolve_plan(cfg))
+        torch.manual_seed(0)
+        trainer.train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True), None,
+                      eval_data if evaluated else None)
+        metrics = read_metrics(out / "metrics.jsonl")
+        assert sum("eval/loss" in m for m in metrics) == (3 if evaluated else 0)
+        losses[evaluated] = [m["loss"] for m in metrics if "loss" in m]
+    assert losses[True] == losses[False]
 
 
 def test_eval_batch_defaults_to_the_training_micro_batch():
