@@ -1892,6 +1892,33 @@ def test_a_sigterm_in_a_step_stops_the_run_after_the_next(tiny, tmp_path, one_pr
                                             else ["metrics.jsonl"])
 
 
+def test_a_resumed_run_without_checkpoints_stopped_by_sigterm_says_nothing_was_saved(tiny, tmp_path,
+                                                                                     one_process_group, monkeypatch):
+    """Resumed from checkpoint-2 with --save_steps 0, stopped after step 4: the checkpoint resumed from does not hold
+    steps 3 and 4, so the message must not name it as saved."""
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+    def run_train(*extra, resume_from=None):
+        cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, *extra)])
+        tokenizer = load_tokenizer(cfg)
+        train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, build_datasets(cfg, tokenizer)[0],
+              MetricsLogger(cfg, is_main=True), resume_from)
+
+    run_train("--max_steps", "2")
+    forward_backward = trainer.forward_backward
+
+    def sigterm_in_step_3(*args, **kwargs):
+        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", sigterm_in_step_3)
+    with pytest.raises(trainer.StoppedBySigterm) as stop:
+        run_train("--save_steps", "0", resume_from=str(tmp_path / "checkpoint-2"))
+    assert str(stop.value) == ("stopped by SIGTERM after step 4: nothing saved, as this run saves no checkpoints "
+                               "(--save_steps 0; set it to make a stopped run resumable)")
+
+
 def test_a_step_stopped_by_sigterm_leaves_its_evaluation_to_the_resume(tiny, tmp_path, one_process_group, monkeypatch):
     """A SIGTERM in step 1 stops the run after step 2, an evaluation step: step 2 is saved but not evaluated (the
     evaluation would eat into the time left before the kill), and the resume evaluates it before step 3."""
