@@ -1799,8 +1799,10 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
                                                                           launcher_too):
     """SLURM signals every process of the job at once: torchrun, which forwards its own SIGTERM to each rank, and the
     ranks' DataLoader workers too."""
-    # No checkpoint before the last step but the one the SIGTERM asks for.
-    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--resume_from_checkpoint", "auto",
+    # No checkpoint before the last step but the one the SIGTERM asks for. Rank 1 alone gets steps to spare, so that
+    # rank 0 stopping only at the run's end (any_rank_received_sigterm) cannot pass for the stop after the next step.
+    steps = 6 if launcher_too else 100
+    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--max_steps", steps, "--resume_from_checkpoint", "auto",
                        "--dataloader_num_workers", int(launcher_too))
     code, output = sigterm_after_first_log(args, ranks, launcher_too, tmp_path)
     assert code == 1, output  # torchrun's code for any failed rank, and for a SIGTERM of its own
@@ -1812,7 +1814,7 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     [message] = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM")]
     step = int(re.fullmatch(f"stopped by SIGTERM after step ([0-9]+): saved {tmp_path}/checkpoint-\\1; resume with "
                             f"--resume_from_checkpoint auto", message)[1])
-    assert 1 < step <= 6
+    assert 1 < step < steps or step == steps == 6  # a signal in the last step stops after it
     assert output.count("Traceback") == 1, output  # torchrun's, not the ranks'
     # Both ranks wrote the checkpoint of that step: the one that got no SIGTERM stopped at the same step.
     assert (tmp_path / "latest").read_text() == f"checkpoint-{step}" and not (tmp_path / "final").exists()
