@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 import wandb
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
@@ -196,6 +197,8 @@ def test_eval_loss_is_the_mean_over_label_tokens_from_position_1_counted_by_hand
     plain = load_model(cfg)
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     result = trainer.evaluate(model, examples, cfg, tokenizer, env)
+    # The root unit (embeddings, lm_head) is sharded again, not held gathered until the next step's backward.
+    assert all(isinstance(p, DTensor) for p in model.parameters())
     loss_sum = 0.0
     with torch.no_grad():  # each example alone, unpadded: minus the log-probability of each label from position 1
         for ex in examples:
