@@ -160,3 +160,22 @@ def test_max_grad_norm_0_or_less_leaves_the_gradient_unclipped(tiny, one_process
         assert disabled_norm == norm and torch.equal(grad, unclipped), max_norm
     # A positive max_norm does clip, so the comparison above can fail.
     assert clipped(norm / 4)[1].norm().item() == pytest.approx(norm / 4, rel=1e-4)
+
+
+def test_a_warmup_fraction_is_of_the_run_the_scheduler_follows(tiny, tmp_path, one_process_group, capsys):
+    # warmup_steps 0.5 of a 4-step run (max_steps) whose data would give 32 steps an epoch: 2 steps of warm-up, then
+    # the linear decay to 0 at step 4, as TrainingArguments counts them (tests/test_warmup.py).
+    cfg = parse_config([str(arg) for arg in [
+        "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
+        "--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+        "--mixed_precision", "no", "--max_seq_length", "64", "--learning_rate", "0.01", "--lr_scheduler_type",
+        "linear", "--warmup_steps", "0.5"]])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    train_data, _ = build_datasets(cfg, tokenizer)
+    assert len(train_data) // 8 == 32
+    train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
+          MetricsLogger(cfg, is_main=True))
+    assert "training: 4 steps (2 of warm-up) of 2 x 4 sequences" in capsys.readouterr().out
+    assert [m["learning_rate"] for m in read_metrics(tmp_path / "metrics.jsonl")] == pytest.approx(
+        [0.0, 0.005, 0.01, 0.005], rel=1e-12)
