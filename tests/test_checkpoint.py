@@ -1480,6 +1480,39 @@ def test_a_resume_keeps_the_router_loss_settings_of_the_checkpoint():
         "output_router_logits: checkpoint True, now None", "router_aux_loss_coef: checkpoint 0.001, now 0.01"]
 
 
+# The settings README's "Checkpoints and resume" says a resume must keep, in its order: the data keys, the seed, the
+# optimizer's and scheduler's, the router loss's.
+KEPT_BY_A_RESUME = ["dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
+                    "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
+                    "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps",
+                    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+                    "output_router_logits", "router_aux_loss_coef"]
+
+
+def test_each_setting_a_resume_must_keep_is_compared():
+    # Each changed alone would be taken without a word if its key were left out of the comparison.
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])
+    saved = {**cfg.to_dict(), **{key: "changed" for key in KEPT_BY_A_RESUME}}
+    older = {"config": saved, "world_size": 1, "master_dtype": "float32"}  # before the training data were recorded
+    assert training_config_differences(older, cfg, 1, "float32") == [
+        f"{key}: checkpoint 'changed', now {getattr(cfg, key)!r}" for key in KEPT_BY_A_RESUME]
+    # Where the checkpoint records its training data, those are compared instead of the name (the same file under
+    # another spelling resumes); before that record, the name is all there is to compare.
+    recorded = {**older, "train_data": {"rows": 256, "sha256": "0" * 64}}
+    assert training_config_differences(recorded, cfg, 1, "float32") == [
+        f"{key}: checkpoint 'changed', now {getattr(cfg, key)!r}" for key in KEPT_BY_A_RESUME[1:]]
+
+
+def test_a_pure_bf16_checkpoint_is_refused_by_a_run_with_fp32_master_weights():
+    # Adam's moments and the weights, kept in bf16, would go on in fp32 from rounded values; the other way round
+    # (tested with resolve_resume above) they would be rounded.
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])
+    state = {"config": cfg.to_dict(), "world_size": 1, "master_dtype": "bfloat16"}
+    assert training_config_differences(state, cfg, 1, "bfloat16") == []
+    assert training_config_differences(state, cfg, 1, "float32") == [
+        "master weights and optimizer state (mixed_precision): checkpoint bfloat16 (mixed_precision pure_bf16), now "
+        "float32"]
+
 def test_a_resume_compares_the_router_loss_the_model_trained_with(tiny, one_process_group, tmp_path):
     # Unset in the recipe config means config.json's value: a resume that writes that value out continues the
     # same run (it was refused as "checkpoint None, now True"); one that changes what the model trained with is not.
