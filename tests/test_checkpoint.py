@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from tokenizers import normalizers
+from tokenizers import normalizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
 
 
@@ -1608,13 +1608,19 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
     added.add_tokens(["<|tool|>"])
     lowercase = load_tokenizer(cfg)
     lowercase.backend_tokenizer.normalizer = normalizers.Lowercase()
+    eos = load_tokenizer(cfg)  # another of its special tokens ends each example
+    eos.eos_token = "<|pad|>"
+    bos = load_tokenizer(cfg)  # a BOS in front of every encoding, as Llama's post-processor adds
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A $B", special_tokens=[("<|bos|>", bos.bos_token_id)])
     # A checkpoint saved with the default template (before it was given to chat and instruction data only) and a
     # run on other data, whose tokenizer has none: the template played no part.
     default, without = load_tokenizer(cfg), load_tokenizer(cfg)
     default.chat_template, without.chat_template = DEFAULT_CHAT_TEMPLATE, None
     assert tokenizer_differences(default, without) == []
     assert tokenizer_differences(without, default) == ["chat_template"]  # a run that would use it: not the same
-    for changed, parts in [(template, "chat_template"), (added, "added_tokens"), (lowercase, "normalizer")]:
+    for changed, parts in [(template, "chat_template"), (added, "added_tokens"), (lowercase, "normalizer"),
+                           (eos, "eos_token"), (bos, "post_processor")]:
         with pytest.raises(CheckpointError) as error:
             resolve_resume(cfg, model, changed, data)
         assert str(error.value) == (
