@@ -417,6 +417,15 @@ def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, 
             assert torch.equal(full(loaded[key]), full(saved[key])), (name, key)
 
 
+def test_each_rank_resumes_with_its_own_rng_states(tiny, tmp_path):
+    # set_seed gives every rank one state, but dropout on micro-batches of other lengths draws other amounts on each:
+    # a rank restored from another rank's file would draw other masks than in the uninterrupted run.
+    torchrun("tests/drivers/ckpt_rng.py", tmp_path, *recipe_args(tiny, tmp_path))
+    draws = [json.loads((tmp_path / f"draws_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert draws[0]["saved"] != draws[1]["saved"]
+    assert [rank["loaded"] for rank in draws] == [rank["saved"] for rank in draws]
+
+
 def record_fsync_and_replace(monkeypatch) -> list[tuple]:
     """Each os.fsync (with the path it syncs) and os.replace from now on, in order; both still do their work."""
     events = []
