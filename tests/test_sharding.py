@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fsdp_recipes.config import parse_config
-from fsdp_recipes.model import load_model
+from fsdp_recipes.model import load_model, load_sharded_model
+from fsdp_recipes.plan import resolve_plan
 
 from conftest import read_metrics, run, torchrun, write_tiny_model
 
@@ -304,3 +305,17 @@ def test_every_rank_reading_the_weights_initialises_those_the_checkpoint_lacks(t
     torch.manual_seed(0)
     assert torch.equal(load_model(cfg).lm_head.weight, expected)
     assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true"  # left as accelerate set it
+
+
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_rank0_loading_gives_the_model_from_pretrained_gives(tiny, fsdp_version, one_process_group):
+    """Built on the meta device and filled from rank 0's weights: the lm_head stays tied to the embedding (it would
+    train apart), and the buffers that to_empty emptied (the rotary frequencies) are the model's, so the logits are
+    from_pretrained's. One process: the 2-process runs above show it in the losses, after minutes."""
+    cfg = parse_config(["--model_name_or_path", str(tiny["tied_model"]), "--dataset_name", "x", "--mixed_precision",
+                        "no", "--fsdp_version", str(fsdp_version), "--fsdp_cpu_ram_efficient_loading", "true"])
+    model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    inputs = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(model(inputs).logits, load_model(cfg)(inputs).logits)
