@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from transformers import AutoTokenizer
 
-from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig
+from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, looked_in
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
@@ -272,7 +272,7 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     resume, out = cfg.resume_from_checkpoint, cfg.output_dir
     check_shared_output_dir(out)
     if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
-        check_checkpoint_folder(resume, resuming=True)
+        check_checkpoint_folder(resume, resuming=True, output_dir=out)
     # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
     inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
     if cfg.overwrite_output_dir and inside:
@@ -368,9 +368,9 @@ def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
                                   f"output_dir")
 
 
-def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
+def check_checkpoint_folder(path: str, resuming: bool = False, output_dir: Optional[str] = None) -> None:
     """A CheckpointError unless `path` is a checkpoint-<step> folder, saying what it is instead; `resuming` adds the
-    advice to resume with `auto`."""
+    advice to resume with `auto`, and `output_dir` the checkpoint a relative path names there."""
     def auto(output_dir: str) -> str:
         return (f", or --output_dir {output_dir} --resume_from_checkpoint auto to resume from the one its `latest` "
                 f"file names" if resuming else "")
@@ -393,8 +393,11 @@ def check_checkpoint_folder(path: str, resuming: bool = False) -> None:
     if not os.path.exists(path):  # a mistyped step, or one retention has removed: say which are there
         parent = os.path.dirname(os.path.abspath(path))
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(parent))
-        raise CheckpointError(f"{path} does not exist{f' ({parent} holds {held})' if held else ''}: pass a "
-                              f"checkpoint-<step> folder")
+        # A relative path is read from the working directory, not from output_dir as `latest` is (checkpoint-6).
+        beside = os.path.join(output_dir, path) if output_dir and not os.path.isabs(path) else ""
+        mean = f", such as {beside}" if beside and os.path.isdir(beside) else ""
+        raise CheckpointError(f"{path} does not exist{looked_in(path)}{f' ({parent} holds {held})' if held else ''}: "
+                              f"pass a checkpoint-<step> folder{mean}")
     if os.path.isdir(path) and (os.path.isfile(os.path.join(path, LATEST_NAME)) or checkpoint_steps(path)):
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(path)) or "no checkpoint"
         raise CheckpointError(f"{path} is a run's output_dir, not a checkpoint (it holds {held}): pass one of its "

@@ -1102,6 +1102,22 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
     prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
 
 
+def test_a_relative_checkpoint_is_read_from_the_working_directory_and_the_error_says_so(
+        tmp_path_factory, one_process_group, monkeypatch):
+    """`--resume_from_checkpoint checkpoint-4`, as `latest` names it, is not looked for in output_dir: the error
+    names the directory it was looked for in, and output_dir's checkpoint of that name."""
+    out, cwd = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("cwd")
+    fake_checkpoint(out / "checkpoint-4")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(out, "--resume_from_checkpoint", "checkpoint-4"))
+    assert str(error.value) == (f"checkpoint-4 does not exist in {cwd}: pass a checkpoint-<step> folder, such as "
+                                f"{out}/checkpoint-4")
+    with pytest.raises(CheckpointError) as error:  # nothing of that name in output_dir: no suggestion
+        prepare_output_dir(config(out, "--resume_from_checkpoint", "checkpoint-40"))
+    assert str(error.value) == f"checkpoint-40 does not exist in {cwd}: pass a checkpoint-<step> folder"
+
+
 def test_a_save_killed_while_replacing_its_step_leaves_a_whole_checkpoint_to_resume(tmp_path, one_process_group,
                                                                                    monkeypatch):
     # replace_dir moves checkpoint-6 to checkpoint-6.old, the new save into place, then removes the .old copy.
