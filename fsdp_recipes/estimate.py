@@ -28,7 +28,7 @@ from transformers import masking_utils
 from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
-from .config import ConfigError
+from .config import ConfigError, looked_in
 from .data import check_sequence_length
 from .families import check_causal_lm, check_loads_whole, exact_attention, hub_cache_miss
 from .flops import build_meta_model
@@ -98,11 +98,19 @@ class Estimate:
 def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """A hub id or a local folder through AutoConfig.from_pretrained, which also reads a config.json path."""
     looks_local = model.endswith(".json") or model.startswith((".", "/", "~")) or os.path.exists(model)
-    if looks_local and not os.path.exists(os.path.expanduser(model)):
-        raise ConfigError(f"--model {model}: no such file or folder; give a hub id, a model folder or a config.json")
+    path = os.path.expanduser(model)
+    if looks_local and not os.path.exists(path):
+        raise ConfigError(f"--model {model}: no such file or folder{looked_in(model)}; give a hub id, a model folder "
+                          f"or a config.json")
+    # transformers' words for it ("Should have a `model_type` key in its config.json") name a file that is not there.
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        final = os.path.join(model, "final")  # a run's output_dir, whose export is the model folder
+        export = os.path.isfile(os.path.join(path, "final", "config.json"))
+        raise ConfigError(f"--model {model} is a folder without config.json: give a model folder (config.json beside "
+                          f"the weights) or a config.json" + (f", such as this run's export {final}" if export else ""))
     try:
         # Given explicitly, False included: left unset, transformers asks on the terminal whether to run the code.
-        return AutoConfig.from_pretrained(os.path.expanduser(model), trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):  # transformers' error for a checkpoint with code of its own
             raise ConfigError(f"--model {model} ships its own model code: pass --trust_remote_code to run it, as the "

@@ -574,8 +574,18 @@ def test_bad_input_is_one_clear_line(tmp_path):
         parse_args(["--model", "x", "--num_gpus", "6", "--num_nodes", "4"])
     proc = run([sys.executable, "-m", "fsdp_recipes.estimate", "--model", "no/such/dir/config.json",
                 "--num_gpus", "8"], expect_rc=2)
-    assert proc.stderr == ("error: --model no/such/dir/config.json: no such file or folder; give a hub id, a model "
-                           "folder or a config.json\n")
+    assert proc.stderr == (f"error: --model no/such/dir/config.json: no such file or folder in {REPO}; give a hub "
+                           f"id, a model folder or a config.json\n")
+    # A run's output_dir has no config.json: transformers' error would ask for a model_type key in it.
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(tmp_path / "run"), "--num_gpus", "8"])
+    assert str(error.value) == (f"--model {tmp_path}/run is a folder without config.json: give a model folder "
+                                f"(config.json beside the weights) or a config.json")
+    write_config(tmp_path / "run" / "final" / "config.json", ARCHITECTURES["llama sdpa"][0].to_dict())
+    with pytest.raises(ConfigError) as error:
+        main(["--model", str(tmp_path / "run"), "--num_gpus", "8"])
+    assert str(error.value).endswith(f"or a config.json, such as this run's export {tmp_path}/run/final")
 
 
 def test_a_flash_kernel_in_fp32_is_refused_as_the_run_refuses_it():
