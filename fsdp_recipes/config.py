@@ -283,7 +283,8 @@ class TrainConfig:
         if self.dataloader_num_workers < 0:
             raise ConfigError(f"dataloader_num_workers must be 0 or more, got {self.dataloader_num_workers}")
         if self.save_steps < 0:
-            raise ConfigError(f"save_steps must be 0 (save only at the end) or positive, got {self.save_steps}")
+            raise ConfigError(f"save_steps must be 0 (no checkpoints: only final/ is saved) or a positive N (a "
+                              f"checkpoint every N steps and at the end), got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
         unused = [k for k in ("save_total_limit", "save_state_dict_type") if getattr(self, k) is not None]

@@ -107,6 +107,10 @@ def test_unknown_cli_flag_is_named():
           "0"], "^per_device_eval_batch_size must be at least 1, got 0$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--save_steps", "5", "--save_total_limit", "0"],
          "^save_total_limit must be at least 1 or unset, got 0$"),
+        # 0 saves no checkpoint at all, not one at the end: N saves one every N steps and at the end.
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--save_steps", "-1"],
+         r"^save_steps must be 0 \(no checkpoints: only final/ is saved\) or a positive N \(a checkpoint every N "
+         r"steps and at the end\), got -1$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--router_aux_loss_coef", "-0.001"],
          r"^router_aux_loss_coef must be 0 or a positive number \(most of transformers' MoE models default to "
          r"0.001\), got -0.001$"),
