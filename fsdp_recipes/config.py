@@ -490,6 +490,11 @@ def _read_yaml(path: str, parser: HfArgumentParser) -> dict:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from error
     if not isinstance(values, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(values).__name__}")
+    # The two YAML files of a launch are easily swapped: an accelerate config's first key would be "unknown".
+    launcher_keys = [key for key in ("compute_environment", "distributed_type") if key in values]
+    if launcher_keys:
+        raise ConfigError(f"--config {path} is an accelerate config (it sets {launcher_keys[0]}): pass it to accelerate "
+                          f"launch --config_file, and a recipe config (recipes/configs/<recipe>.yaml) as --config")
     actions = {action.dest: action for action in parser._actions}
     for key, value in values.items():
         if key not in field_names:

@@ -10,7 +10,7 @@ import pytest
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config, shard_size_in_bytes
 from fsdp_recipes.plan import resolve_plan
 
-from conftest import run
+from conftest import REPO, run
 
 
 def write_yaml(tmp_path, text):
@@ -70,6 +70,15 @@ def test_unknown_yaml_key_is_named(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nlearning_rat: 1e-4\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'learning_rat' in .*recipe.yaml.*'learning_rate'"):
         parse_config(["--config", cfg_file])
+
+
+def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--config", "accelerate_configs/fsdp2_cpu.yaml"])
+    assert str(error.value) == ("--config accelerate_configs/fsdp2_cpu.yaml is an accelerate config (it sets "
+                                "compute_environment): pass it to accelerate launch --config_file, and a recipe "
+                                "config (recipes/configs/<recipe>.yaml) as --config")
 
 
 def test_unknown_cli_flag_is_named():
