@@ -180,7 +180,10 @@ def check_shared_output_dir(out: str) -> None:
     holds (lock_output_dir), fails here too, not after the data and the model are loaded. Every rank calls this;
     every rank raises the same error."""
     sent: list[tuple[Optional[str], Optional[str]]] = [(None, None)]  # rank 0's token, or why it wrote none
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and os.path.exists(out) and not os.path.isdir(out):
+        # makedirs' "File exists" would read as the permission or file-system problem of the message below.
+        sent[0] = (None, f"output_dir {out} is a file, not a folder: choose another output_dir")
+    elif dist.get_rank() == 0:
         try:
             os.makedirs(out, exist_ok=True)
             in_use = lock_output_dir(out)

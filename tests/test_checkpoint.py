@@ -1289,6 +1289,10 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_p
         f"output_dir {tmp_path}/a_file/out cannot be created or written (NotADirectoryError: [Errno 20] Not a "
         f"directory: '{tmp_path}/a_file/out'): choose an output_dir this user can write, on a file system that "
         f"every rank sees")
+    with pytest.raises(ConfigError) as error:  # no permission or shared file system would help
+        prepare_output_dir(config(tmp_path / "a_file"))
+    assert str(error.value) == f"output_dir {tmp_path}/a_file is a file, not a folder: choose another output_dir"
+    assert (tmp_path / "a_file").read_text() == "mine"
 
 
 def test_a_second_run_into_an_output_dir_in_use_is_refused_until_the_first_ends(tiny, tmp_path):
