@@ -113,6 +113,14 @@ def evaluate(model_dir: str, data_file: str, batch_size: int = 50) -> float:
     return accuracy
 
 
+def fraction(text: str) -> float:
+    """--min_accuracy, a share of the prompts as `make demo` gives it (0.9): 90 would fail every model."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1] (0.9 for 90%), got {text}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,8 +132,14 @@ def main() -> None:
     e = sub.add_parser("evaluate", help="held-out accuracy of a model folder")
     e.add_argument("--model", required=True)
     e.add_argument("--data", required=True)
-    e.add_argument("--min_accuracy", type=float, default=0.0, help="exit 1 below this accuracy")
+    e.add_argument("--min_accuracy", type=fraction, default=0.0, help="exit 1 below this accuracy (0.9: 90%%)")
     args = parser.parse_args()
+    # Checked before the model loads: transformers' and open's tracebacks would not say which flag is wrong.
+    if args.command == "evaluate" and not os.path.isfile(os.path.join(args.model, "config.json")):
+        e.error(f"--model {args.model} is not a model folder (no config.json): give a run's final/, a converted "
+                f"checkpoint or the demo's base_model")
+    if args.command == "evaluate" and not os.path.isfile(args.data):
+        e.error(f"--data {args.data}: no such file (the demo's eval.jsonl, written by prepare)")
     if args.command == "prepare":
         prepare(args.out_dir, args.n_train, args.n_eval, args.seed)
     else:

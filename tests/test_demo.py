@@ -52,6 +52,25 @@ def test_demo_learns_the_task_with_the_plan_metrics_and_files_it_promises(tmp_pa
     assert not (tmp_path / "output" / "final.tmp").exists()
 
 
+def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
+    """A percentage for the fraction would fail every model after the whole evaluation; wrong paths were tracebacks."""
+    demo = [sys.executable, "-m", "fsdp_recipes.demo", "evaluate"]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "eval.jsonl").write_text("")
+    cases = {
+        ("--min_accuracy", "90"): "argument --min_accuracy: must be a fraction in [0, 1] (0.9 for 90%), got 90",
+        ("--model", tmp_path): f"--model {tmp_path} is not a model folder (no config.json): give a run's final/, a "
+                               f"converted checkpoint or the demo's base_model",
+        ("--data", tmp_path / "nope.jsonl"): f"--data {tmp_path}/nope.jsonl: no such file (the demo's eval.jsonl, "
+                                             f"written by prepare)",
+    }
+    for (flag, value), message in cases.items():
+        flags = {"--model": tmp_path / "model", "--data": tmp_path / "eval.jsonl", flag: value}
+        proc = run([*demo, *(str(x) for pair in flags.items() for x in pair)], expect_rc=2)
+        assert proc.stderr.splitlines()[-1] == f"demo.py evaluate: error: {message}"
+
+
 def test_make_clean_removes_the_venv_and_demo_folder_it_is_given(tmp_path):
     """`make clean DEMO_DIR=...` removes that folder, not ./demo (and leaves the running venv alone)."""
     venv, demo = tmp_path / "venv", tmp_path / "my_demo"
