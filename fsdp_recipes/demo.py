@@ -113,6 +113,10 @@ def evaluate(model_dir: str, data_file: str, batch_size: int = 50) -> float:
     return accuracy
 
 
+# How the module is run: argparse would name the file (demo.py), which no command runs.
+PROG = "python -m fsdp_recipes.demo"
+
+
 def fraction(text: str) -> float:
     """--min_accuracy, a share of the prompts as `make demo` gives it (0.9): 90 would fail every model."""
     value = float(text)
@@ -122,7 +126,7 @@ def fraction(text: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write the base model, tokenizer and data")
     p.add_argument("--out_dir", required=True)

@@ -68,7 +68,7 @@ def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
     for (flag, value), message in cases.items():
         flags = {"--model": tmp_path / "model", "--data": tmp_path / "eval.jsonl", flag: value}
         proc = run([*demo, *(str(x) for pair in flags.items() for x in pair)], expect_rc=2)
-        assert proc.stderr.splitlines()[-1] == f"demo.py evaluate: error: {message}"
+        assert proc.stderr.splitlines()[-1] == f"python -m fsdp_recipes.demo evaluate: error: {message}"
 
 
 def test_make_clean_removes_the_venv_and_demo_folder_it_is_given(tmp_path):

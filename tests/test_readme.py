@@ -4,6 +4,8 @@ import re
 import shlex
 import sys
 
+import pytest
+
 from conftest import REPO, read_metrics, run
 
 
@@ -54,3 +56,10 @@ def test_help_lists_the_config_keys():
     proc = run([sys.executable, "recipes/llama_sft.py", "--help"])
     for key in ["--model_name_or_path", "--dataset_name", "--gradient_accumulation_steps", "--config"]:
         assert key in proc.stdout
+
+
+@pytest.mark.parametrize("module", ["convert", "estimate", "new_recipe", "demo"])
+def test_usage_names_the_command_the_readme_runs(module):
+    # argparse names the file (convert.py), which is not how the README runs the module, nor a file in the root.
+    proc = run([sys.executable, "-m", f"fsdp_recipes.{module}", "--help"])
+    assert proc.stdout.startswith(f"usage: python -m fsdp_recipes.{module} ")
