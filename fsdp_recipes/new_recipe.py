@@ -152,10 +152,27 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
     return None
 
 
+def check_not_a_configs_folder(recipes_dir: str) -> None:
+    """A recipes' configs/ given as --recipes_dir would get the recipe, and its YAML in configs/configs/."""
+    parent, base = os.path.split(os.path.abspath(recipes_dir))
+    if base != "configs":
+        return
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if not (name.endswith(".py") and os.path.isfile(path)):
+            continue
+        with open(path) as f:
+            if is_recipe(f.read()):
+                raise SystemExit(f"error: --recipes_dir {recipes_dir} is the YAML configs folder of the recipes in "
+                                 f"{parent}: give --recipes_dir {parent}, and the new YAML config goes into its "
+                                 f"configs/")
+
+
 def new_recipe(model_type: str, recipes_dir: str) -> tuple[str, str]:
     """Write <recipes_dir>/<name>_sft.py and <recipes_dir>/configs/<name>_sft.yaml; return their paths."""
     if not re.fullmatch(r"[a-z][a-z0-9_-]*", model_type):
         raise SystemExit(f"error: MODEL must be a model_type as config.json spells it (e.g. olmo2), got {model_type!r}")
+    check_not_a_configs_folder(recipes_dir)
     advice = recipe_advice(model_type, recipes_dir)
     if advice:
         raise SystemExit(f"error: {advice}")

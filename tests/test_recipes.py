@@ -770,6 +770,12 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
     assert refusal("gemma3") == (f'error: run the generic recipes/sft.py, or add "gemma3" to the MODEL_TYPES of the '
                                  f'recipe whose YAML config is {recipes}/configs/gemma3_sft.yaml (`make new-recipe '
                                  f'MODEL=gemma3` cannot write that file: it exists)\n')
+    # The recipes' configs/ for the recipes folder: the recipe would land among the YAML, its YAML in configs/configs.
+    with pytest.raises(SystemExit) as error:
+        new_recipe("olmo2", str(recipes / "configs"))
+    assert str(error.value) == (f"error: --recipes_dir {recipes}/configs is the YAML configs folder of the recipes in "
+                                f"{recipes}: give --recipes_dir {recipes}, and the new YAML config goes into its "
+                                f"configs/")
     assert sorted(p.name for p in recipes.rglob("*")) == ["configs", "gemma3_sft.yaml", "gemma_sft.py"]
     assert (recipes / "gemma_sft.py").read_text() == (REPO / "recipes" / "gemma_sft.py").read_text()
 
