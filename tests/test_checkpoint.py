@@ -1962,6 +1962,18 @@ def test_a_sigterm_in_a_step_stops_the_run_after_the_next(tiny, tmp_path, one_pr
                                             else ["metrics.jsonl"])
 
 
+def sigterm_in_the_next_step(monkeypatch) -> None:
+    """A SIGTERM to this process in the next training step's forward-backward (its first micro-batch), once."""
+    forward_backward = trainer.forward_backward
+
+    def sigterm_then_step(*args, **kwargs):
+        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", sigterm_then_step)
+
+
 def test_a_resumed_run_without_checkpoints_stopped_by_sigterm_says_nothing_was_saved(tiny, tmp_path,
                                                                                      one_process_group, monkeypatch):
     """Resumed from checkpoint-2 with --save_steps 0, stopped after step 4: the checkpoint resumed from does not hold
@@ -1975,14 +1987,7 @@ def test_a_resumed_run_without_checkpoints_stopped_by_sigterm_says_nothing_was_s
               MetricsLogger(cfg, is_main=True), resume_from)
 
     run_train("--max_steps", "2")
-    forward_backward = trainer.forward_backward
-
-    def sigterm_in_step_3(*args, **kwargs):
-        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return forward_backward(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "forward_backward", sigterm_in_step_3)
+    sigterm_in_the_next_step(monkeypatch)  # step 3
     with pytest.raises(trainer.StoppedBySigterm) as stop:
         run_train("--save_steps", "0", resume_from=str(tmp_path / "checkpoint-2"))
     assert str(stop.value) == ("stopped by SIGTERM after step 4: nothing saved, as this run saves no checkpoints "
@@ -1997,14 +2002,7 @@ def test_a_step_stopped_by_sigterm_leaves_its_evaluation_to_the_resume(tiny, tmp
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     tokenizer = load_tokenizer(cfg)
     train_data, eval_data = build_datasets(cfg, tokenizer)
-    forward_backward = trainer.forward_backward
-
-    def sigterm_in_step_1(*args, **kwargs):
-        monkeypatch.setattr(trainer, "forward_backward", forward_backward)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return forward_backward(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "forward_backward", sigterm_in_step_1)
+    sigterm_in_the_next_step(monkeypatch)  # step 1
     with pytest.raises(trainer.StoppedBySigterm, match="^stopped by SIGTERM after step 2: saved .*checkpoint-2;"):
         train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
               MetricsLogger(cfg, is_main=True), None, eval_data)
