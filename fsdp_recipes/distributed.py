@@ -53,6 +53,8 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        if rank == 0:
+            warn_if_gpus_are_missing(use_cpu)
     timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
@@ -61,6 +63,17 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     long_wait_group()
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def warn_if_gpus_are_missing(use_cpu: bool) -> None:
+    """A CUDA build of torch that sees no GPU, though nothing hid them: on a GPU node (a driver that failed, a job
+    given no GPU) the run would go on, ranks and all, on the CPU. The *_cpu.yaml configs and `--cpu` choose it."""
+    if use_cpu or not torch.backends.cuda.is_built() or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return
+    print(f"warning: torch is built with CUDA {torch.version.cuda} but sees no GPU: this run trains on the CPU "
+          f"(gloo). On a GPU node, check that its GPUs are visible (nvidia-smi, CUDA_VISIBLE_DEVICES "
+          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); to train on the CPU on purpose, launch a *_cpu.yaml "
+          f"accelerate config or set CUDA_VISIBLE_DEVICES=\"\"", file=sys.stderr, flush=True)
 
 
 def check_a_gpu_per_process(local_rank: int, gpus: int) -> None:

@@ -348,3 +348,32 @@ def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
         assert env.device == torch.device("cpu") and dist.get_backend() == "gloo"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines whose GPUs cannot be seen")
+def test_a_cuda_build_that_sees_no_gpu_warns_unless_the_cpu_was_chosen(monkeypatch, capsys):
+    """On a GPU node whose GPUs the run cannot see (a failed driver, a job given none), an 8-GPU config would train
+    on the CPU without a word; a *_cpu.yaml config (CUDA_VISIBLE_DEVICES "") or `--cpu` chooses the CPU."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    for var in ("RANK", "CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(var, raising=False)
+
+    def warning_of_a_run() -> str:
+        env = init_distributed()
+        dist.destroy_process_group()
+        assert env.device == torch.device("cpu")
+        return capsys.readouterr().err
+
+    assert warning_of_a_run() == (
+        "warning: torch is built with CUDA 12.8 but sees no GPU: this run trains on the CPU (gloo). On a GPU node, "
+        "check that its GPUs are visible (nvidia-smi, CUDA_VISIBLE_DEVICES unset); to train on the CPU on purpose, "
+        "launch a *_cpu.yaml accelerate config or set CUDA_VISIBLE_DEVICES=\"\"\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert warning_of_a_run() == ""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert warning_of_a_run() == ""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)  # a CPU build: nothing to see
+    assert warning_of_a_run() == ""
