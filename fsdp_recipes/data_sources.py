@@ -41,6 +41,14 @@ def _open_text(path: str):
     return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="replace", newline="")
 
 
+def _is_empty(path: str) -> bool:
+    """Whether a data file holds no bytes, decompressed: an empty file compressed is not 0 bytes (gzip's header)."""
+    if not path.lower().endswith(_COMPRESSIONS):
+        return os.path.getsize(path) == 0
+    with fsspec.open(path, "rb", compression="infer") as f:
+        return not f.read(1)
+
+
 def cache_path(name: str) -> str:
     """A local file or folder as an absolute, normalised path, else `name` (a Hub id): what datasets is given, and
     what keys the tokenization's cache. datasets keys its converted copy by the path as written, so data.jsonl,
@@ -280,7 +288,7 @@ def _load_file(name: str) -> datasets.Dataset:
     if builder is None:
         raise ConfigError(f"{name}: unsupported file type; use one of {', '.join(_FILE_BUILDERS)} (or one of them "
                           f"compressed: {', '.join(_COMPRESSIONS)})")
-    if os.path.getsize(name) == 0:
+    if _is_empty(name):
         raise ConfigError(f"{name} is empty: it holds no examples")
     try:
         options = {}
@@ -381,7 +389,7 @@ def _folder_files(name: str) -> dict[str, list[str]]:
 
 def _without_empty_parts(files: dict[str, list[str]]) -> dict[str, list[str]]:
     # Sharded exports (Spark's) write empty part files; a split of empty files alone holds no examples.
-    return {splitname: [file for file in split_files if os.path.getsize(file)] or list(split_files[:1])
+    return {splitname: [file for file in split_files if not _is_empty(file)] or list(split_files[:1])
             for splitname, split_files in files.items()}
 
 

@@ -1185,6 +1185,20 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
+def test_an_empty_compressed_file_is_empty(tmp_path):
+    """A compressed file of no rows is not 0 bytes (gzip's header alone is 20): alone it is empty, not a parse error,
+    and in a folder it is an empty part file, skipped, as sharded exports with compression write them."""
+    (tmp_path / "empty.jsonl.gz").write_bytes(gzip.compress(b""))
+    with pytest.raises(ConfigError, match=r"^.*empty.jsonl.gz is empty: it holds no examples$"):
+        build_datasets(cfg(tmp_path / "empty.jsonl.gz"), TOKENIZER)
+    (tmp_path / "parts").mkdir()
+    demo.write_jsonl(tmp_path / "parts" / "part-0.jsonl", ROWS)
+    (tmp_path / "parts" / "part-1.jsonl.gz").write_bytes(gzip.compress(b""))
+    train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
+    assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
+    assert data_sources.folder_summary(str(tmp_path / "parts")) == "train: part-0.jsonl"
+
+
 def test_a_data_folder_joins_parquet_files_of_large_strings_and_lists_with_json_lines(tmp_path):
     # pandas 3 writes a string column as large_string, Polars every string and list as large_string and large_list;
     # JSON lines and CSV are read as string and list.
