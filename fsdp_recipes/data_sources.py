@@ -14,6 +14,8 @@ from typing import Callable, Iterator, Optional
 import datasets
 import fsspec
 import pandas
+import pyarrow
+import pyarrow.parquet
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 from datasets.packaged_modules import _EXTENSION_TO_MODULE
 from datasets.packaged_modules.json.json import Json
@@ -42,11 +44,19 @@ def _open_text(path: str):
 
 
 def _is_empty(path: str) -> bool:
-    """Whether a data file holds no bytes, decompressed: an empty file compressed is not 0 bytes (gzip's header)."""
-    if not path.lower().endswith(_COMPRESSIONS):
-        return os.path.getsize(path) == 0
-    with fsspec.open(path, "rb", compression="infer") as f:
-        return not f.read(1)
+    """Whether a data file holds no rows: 0 bytes, decompressed (an empty file compressed is gzip's header), or a
+    Parquet file of no rows (its schema alone), which datasets' reader fails on ('BatchSize must be greater than 0')."""
+    if path.lower().endswith(_COMPRESSIONS):
+        with fsspec.open(path, "rb", compression="infer") as f:
+            return not f.read(1)
+    if os.path.getsize(path) == 0:
+        return True
+    if _file_type(path) != ".parquet":
+        return False
+    try:
+        return pyarrow.parquet.read_metadata(path).num_rows == 0
+    except pyarrow.ArrowException:  # not Parquet: the reader's error names it
+        return False
 
 
 def cache_path(name: str) -> str:

@@ -1185,15 +1185,19 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
-def test_an_empty_compressed_file_is_empty(tmp_path):
-    """A compressed file of no rows is not 0 bytes (gzip's header alone is 20): alone it is empty, not a parse error,
-    and in a folder it is an empty part file, skipped, as sharded exports with compression write them."""
+def test_empty_compressed_and_parquet_files_are_empty(tmp_path):
+    """A compressed file of no rows is not 0 bytes (gzip's header alone is 20), nor is a Parquet file of no rows (its
+    schema): alone each is empty, not a parse error ('StopIteration', 'BatchSize must be greater than 0'), and in a
+    folder an empty part file, skipped, as sharded exports (Spark's) write them."""
     (tmp_path / "empty.jsonl.gz").write_bytes(gzip.compress(b""))
-    with pytest.raises(ConfigError, match=r"^.*empty.jsonl.gz is empty: it holds no examples$"):
-        build_datasets(cfg(tmp_path / "empty.jsonl.gz"), TOKENIZER)
+    datasets.Dataset.from_list(ROWS).select([]).to_parquet(tmp_path / "empty.parquet")
+    for name in ("empty.jsonl.gz", "empty.parquet"):
+        with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
+            build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
     demo.write_jsonl(tmp_path / "parts" / "part-0.jsonl", ROWS)
-    (tmp_path / "parts" / "part-1.jsonl.gz").write_bytes(gzip.compress(b""))
+    shutil.copy(tmp_path / "empty.jsonl.gz", tmp_path / "parts" / "part-1.jsonl.gz")
+    shutil.copy(tmp_path / "empty.parquet", tmp_path / "parts" / "part-2.parquet")
     train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
     assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
     assert data_sources.folder_summary(str(tmp_path / "parts")) == "train: part-0.jsonl"
