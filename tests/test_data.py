@@ -1185,19 +1185,22 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
-def test_empty_compressed_and_parquet_files_are_empty(tmp_path):
+def test_empty_compressed_parquet_and_csv_files_are_empty(tmp_path):
     """A compressed file of no rows is not 0 bytes (gzip's header alone is 20), nor is a Parquet file of no rows (its
-    schema): alone each is empty, not a parse error ('StopIteration', 'BatchSize must be greater than 0'), and in a
-    folder an empty part file, skipped, as sharded exports (Spark's) write them."""
+    schema) or a CSV file of a header alone: alone each is empty, not a parse error ('StopIteration', 'BatchSize
+    must be greater than 0'), and in a folder an empty part file, skipped, as sharded exports (Spark's, Dask's)
+    write them."""
     (tmp_path / "empty.jsonl.gz").write_bytes(gzip.compress(b""))
     datasets.Dataset.from_list(ROWS).select([]).to_parquet(tmp_path / "empty.parquet")
-    for name in ("empty.jsonl.gz", "empty.parquet"):
+    (tmp_path / "empty.csv").write_text("prompt,completion\n")
+    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
     demo.write_jsonl(tmp_path / "parts" / "part-0.jsonl", ROWS)
     shutil.copy(tmp_path / "empty.jsonl.gz", tmp_path / "parts" / "part-1.jsonl.gz")
     shutil.copy(tmp_path / "empty.parquet", tmp_path / "parts" / "part-2.parquet")
+    shutil.copy(tmp_path / "empty.csv", tmp_path / "parts" / "part-3.csv")
     train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
     assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
     assert data_sources.folder_summary(str(tmp_path / "parts")) == "train: part-0.jsonl"
@@ -1623,7 +1626,7 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "empty.jsonl"), r"empty.jsonl is empty: it holds no examples"),
         (cfg(f"{tmp_path}/ok.jsonl,"), r"^dataset_name '.*/ok.jsonl,' has an empty entry: name the data sets "
                                        r"separated by single commas$"),
-        (cfg(tmp_path / "header_only.csv"), r"header_only.csv holds no examples"),
+        (cfg(tmp_path / "header_only.csv"), r"header_only.csv is empty: it holds no examples"),
         (cfg(tmp_path / "cols.jsonl"), r"cols.jsonl \[train\]: cannot read the data as any format: found the columns "
                                        r"\['question', 'answer'\]; expected chat: messages"),
         (cfg(tmp_path / "msgs.jsonl"), r"msgs.jsonl \[train\]: row 2 \(line 2\): message 0 needs a string 'role' and a string"),
