@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .config import ConfigError, TrainConfig
-from .data_formats import DEFAULT_CHAT_TEMPLATE, IGNORE_INDEX, detect_format, tokenize_example
+from .data_formats import (DEFAULT_CHAT_TEMPLATE, FORMATS, IGNORE_INDEX, OPTIONAL_COLUMNS, detect_format,
+                           tokenize_example)
 from .data_sources import (cache_path, carve_eval, folder_summary, load_sources, parse_column_mapping, parse_weights,
                            per_source, row_origin, weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
@@ -111,7 +112,10 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
         input_columns=["has_labels", "overlong"], batched=True, batch_size=100_000, desc=f"Filtering {what}",
     ).remove_columns(["has_labels", "overlong", "reasoning_left_out"]).with_format(None)
     no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
-    print_rank0(f"data: {what}: {len(raw)} examples ({fmt}), {overlong} longer than max_seq_length="
+    # Named so that a column the user meant to train on (Dolly's context, without context=input) is not left out unseen.
+    not_read = [c for c in raw.column_names if c not in FORMATS[fmt] + OPTIONAL_COLUMNS.get(fmt, [])]
+    read_as = f"{fmt}; columns not read: {', '.join(not_read)}" if not_read else fmt
+    print_rank0(f"data: {what}: {len(raw)} examples ({read_as}), {overlong} longer than max_seq_length="
                 f"{cfg.max_seq_length} ({'dropped' if drop_overlong else 'truncated'}), {no_labels} dropped for "
                 f"having no label tokens, {len(kept)} kept")
     if reasoning_left_out:

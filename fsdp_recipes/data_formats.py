@@ -17,6 +17,8 @@ FORMATS = {
     "prompt_completion": ["prompt", "completion"],
     "text": ["text"],
 }
+# Columns a format reads beside those it needs.
+OPTIONAL_COLUMNS = {"chat": ["tools"], "instruction": ["input"]}
 
 # For a tokenizer without a chat template: the tokenizer's BOS (if any), as plain text gets, then ChatML's layout,
 # each turn closed by the tokenizer's own EOS so that generation stops there. It is saved with the model, so

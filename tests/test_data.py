@@ -1185,6 +1185,22 @@ def test_every_source_type_gives_the_same_examples(tmp_path):
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == saved_files
 
 
+def test_the_log_names_the_columns_no_format_reads(tmp_path, capsys):
+    """Dolly's columns (instruction, context, response, category) mapped response=output alone: the instruction format
+    reads instruction, input and output, and the context would be left out of every prompt without a word."""
+    demo.write_jsonl(tmp_path / "dolly.jsonl", [{"instruction": "ab", "context": "cd", "response": "ba",
+                                                 "category": "qa"}] * 4)
+    build_datasets(cfg(tmp_path / "dolly.jsonl", dataset_column_mapping="response=output"), TOKENIZER)
+    assert "dolly.jsonl [train]: 4 examples (instruction; columns not read: context, category), 0 longer" in (
+        capsys.readouterr().out)
+    build_datasets(cfg(tmp_path / "dolly.jsonl", dataset_column_mapping="response=output,context=input,category=x"),
+                   TOKENIZER)
+    assert "dolly.jsonl [train]: 4 examples (instruction; columns not read: x), 0 longer" in capsys.readouterr().out
+    demo.write_jsonl(tmp_path / "chat.jsonl", [{**CHAT, "tools": None}] * 4)
+    build_datasets(cfg(tmp_path / "chat.jsonl"), TOKENIZER)
+    assert "chat.jsonl [train]: 4 examples (chat), 0 longer" in capsys.readouterr().out
+
+
 def test_empty_compressed_parquet_and_csv_files_are_empty(tmp_path):
     """A compressed file of no rows is not 0 bytes (gzip's header alone is 20), nor is a Parquet file of no rows (its
     schema) or a CSV file of a header alone: alone each is empty, not a parse error ('StopIteration', 'BatchSize
