@@ -340,7 +340,11 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
     columns = FORMATS[fmt] + (["input"] if fmt == "instruction" and example.get("input") is not None else [])
     for column in columns:
         if fmt != "chat" and not isinstance(example[column], str):
-            raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}")
+            conversational = fmt == "prompt_completion" and isinstance(example[column], list)
+            hint = ("; a prompt and a completion as lists of messages (TRL's conversational format) are not read: "
+                    "write each row's prompt messages, then its completion messages, as one 'messages' list"
+                    ) if conversational else ""
+            raise ConfigError(f"row {row}: '{column}' must be a string, got {example[column]!r}{hint}")
     try:
         text, spans = render_with_loss_spans(example, fmt, tokenizer, locate_turns=completion_only_loss)
     except jinja2.TemplateError as error:  # e.g. raise_exception('System role not supported') in the template

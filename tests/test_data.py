@@ -76,6 +76,14 @@ def test_exact_loss_tokens_of_each_format():
     assert [text[s:e] for s, e in spans] == ["ba<|end|>"]
     with pytest.raises(ConfigError, match=r"^row 1: 'input' must be a string, got 5$"):
         tokenize_example({"instruction": "ab", "input": 5, "output": "ba"}, "instruction", TOKENIZER, 64)
+    # TRL's conversational prompt/completion (lists of messages): the error says how to write it as chat data.
+    conversational = {"prompt": [{"role": "user", "content": "ab"}],
+                      "completion": [{"role": "assistant", "content": "ba"}]}
+    with pytest.raises(ConfigError, match=r"^row 1: 'prompt' must be a string, got \[\{'role': 'user', "
+                                          r"'content': 'ab'\}\]; a prompt and a completion as lists of messages \(TRL's conversational "
+                                          r"format\) are not read: write each row's prompt messages, then its "
+                                          r"completion messages, as one 'messages' list$"):
+        tokenize_example(conversational, "prompt_completion", TOKENIZER, 64)
 
     out = tokenize_example({"prompt": "ab", "completion": "cd"}, "prompt_completion", TOKENIZER, 64)
     assert tokens(out) == ["<|bos|>", "a", "b", "c", "d", "<|end|>"]
