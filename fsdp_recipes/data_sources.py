@@ -107,6 +107,19 @@ def _first_bad_json_line(path: str) -> Optional[str]:
     return None
 
 
+def _first_line_not_an_object(path: str) -> Optional[str]:
+    """'line N: ...' for the first line of a JSON-lines file whose value is not an object (a string, a list: lines
+    joined from other files), else None; None too for a file whose first value is no object (one JSON array)."""
+    with _open_text(path) as f:
+        values = ((number, json.loads(line)) for number, line in enumerate(f, start=1) if line.strip())
+        first = next(values, (0, {}))
+        for number, value in itertools.chain([first], values) if isinstance(first[1], dict) else ():
+            if not isinstance(value, dict):
+                return (f"line {number}: {_json_kind(value)}, not an object: write each row as a JSON object ({{...}}) "
+                        f"on a line of its own")
+    return None
+
+
 def _json_kind(value) -> str:
     if isinstance(value, bool):
         return "a boolean"
@@ -152,7 +165,7 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
     where = _first_line_not_utf8(path) if _file_type(path) in (".jsonl", ".json", ".csv") else None
     if where is None and _file_type(path) == ".jsonl":
         # Every line parsing, a field's type changing on a line is what the readers failed on.
-        where = _first_bad_json_line(path) or _first_json_type_conflict(path)
+        where = _first_bad_json_line(path) or _first_line_not_an_object(path) or _first_json_type_conflict(path)
     elif where is None and _file_type(path) == ".json":
         try:
             with _open_text(path) as f:
@@ -162,7 +175,8 @@ def _parse_error(path: str, error: Exception) -> ConfigError:
             # file too (as Dataset.to_json writes them), whose bad line is another one. After a pretty-printed
             # array, the extra data are the error.
             lines_file = decode_error.msg == "Extra data" and _first_value_is_a_line(path)
-            where = ((_first_bad_json_line(path) or _first_json_type_conflict(path)) if lines_file
+            where = ((_first_bad_json_line(path) or _first_line_not_an_object(path)
+                      or _first_json_type_conflict(path)) if lines_file
                      else f"line {decode_error.lineno}: {decode_error.msg}")
     if where is None:
         cause = error

@@ -1588,6 +1588,9 @@ def bad_input_cases(tmp_path):
     shutil.copy(tmp_path / "bad.jsonl", tmp_path / "bad_lines.json")  # JSON lines, as Dataset.to_json writes them
     (tmp_path / "extra.json").write_text('[\n {"text": "a"}\n]\n]\n')  # a pretty-printed array, then extra data
     (tmp_path / "empty.jsonl").write_text("")
+    # Lines joined from other files: a quoted string, an array; pyarrow says 'changed from object to string in row 0'.
+    (tmp_path / "scalar.jsonl").write_text('{"text": "a"}\n\n"b"\n{"text": "c"}\n')
+    (tmp_path / "array.jsonl").write_text('{"text": "a"}\n[{"text": "b"}]\n')
     (tmp_path / "bad.csv").write_text("prompt,completion\na,b\nc,d,e\n")
     demo.write_jsonl(tmp_path / "cols.jsonl", [{"question": "a", "answer": "b"}])
     demo.write_jsonl(tmp_path / "msgs.jsonl", [CHAT, {"messages": [{"role": "user", "content": 3}]}])
@@ -1640,6 +1643,9 @@ def bad_input_cases(tmp_path):
     write_multi_config_copy(tmp_path / "copy")
     return [
         (cfg(tmp_path / "bad.jsonl"), r"cannot parse .*bad.jsonl, line 3: Expecting ',' delimiter"),
+        *[(cfg(tmp_path / name), rf"^cannot parse .*{name}, line {line}: {kind}, not an object: write each row as "
+                                 r"a JSON object \(\{\.\.\.\}\) on a line of its own$")
+          for name, line, kind in [("scalar.jsonl", 3, "a string"), ("array.jsonl", 2, "a list")]],
         (cfg(tmp_path / "bad.json"), r"cannot parse .*bad.json, line 2: Expecting value"),
         (cfg(tmp_path / "bad_lines.json"), r"cannot parse .*bad_lines.json, line 3: Expecting ',' delimiter"),
         (cfg(tmp_path / "extra.json"), r"cannot parse .*extra.json, line 4: Extra data"),
