@@ -650,10 +650,14 @@ def load_sources(names: list[str], config_names: list[Optional[str]], splits: li
             check_held_out(name, config_name, split, eval_split)
             held_out = load_split(name, config_name, eval_split)
         sources.append((train, held_out))
-    for name, (train, _) in zip(names, sources):
-        present = {source: target for source, target in column_mapping.items() if source in train.column_names}
+    # The held-out split too: its files may have columns that the training split's have not.
+    parts = [(name, train) for name, (train, _) in zip(names, sources)] + [
+        (f"{name} [{eval_split}]", held_out) for name, eval_split, (_, held_out) in zip(names, eval_splits, sources)
+        if held_out is not None]
+    for name, part in parts:
+        present = {source: target for source, target in column_mapping.items() if source in part.column_names}
         for source, target in present.items():
-            if target in train.column_names and target not in column_mapping:
+            if target in part.column_names and target not in column_mapping:
                 raise ConfigError(f"dataset_column_mapping renames '{source}' to '{target}', but {name} already has "
                                   f"a column '{target}': rename that one too (e.g. {target}=old_{target})")
             others = [other for other, other_target in present.items() if other_target == target and other != source]

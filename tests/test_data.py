@@ -1630,6 +1630,10 @@ def bad_input_cases(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    # The held-out split has the column the mapping renames onto, the training split not.
+    (tmp_path / "eval_both").mkdir()
+    demo.write_jsonl(tmp_path / "eval_both" / "train.jsonl", [{"question": "a", "completion": "c"}])
+    demo.write_jsonl(tmp_path / "eval_both" / "test.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
     # A blank line fails datasets' second reader, after the first failed on the type: each named only its own error.
     for name in ("types_blank.jsonl", "types_blank.json"):
         (tmp_path / name).write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": null, "completion": "c"}\n'
@@ -1714,6 +1718,8 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
          r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
+        (cfg(tmp_path / "eval_both", dataset_column_mapping="question=prompt", eval_split="test"),
+         r"renames 'question' to 'prompt', but .*eval_both \[test\] already has a column 'prompt': rename that one too"),
         (cfg(tmp_path / "copy"), r"copy holds several configs: set dataset_config_name\. .*\['main', 'socratic'\]"),
         (cfg("data/chats"), r"dataset_name data/chats: no such file or folder in .*, and the Hub cannot be reached"),
         (cfg(tmp_path / "copy", dataset_config_name="de"), r"copy: dataset_config_name de: BuilderConfig 'de' not "
