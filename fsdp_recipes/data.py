@@ -74,10 +74,11 @@ def _without_its_path(tokenizer):
     return keyed
 
 
-def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, split: str
+def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, split: str, held_out: bool = False
               ) -> tuple[datasets.Dataset, str]:
-    """Tokenize the rows of `split` of the data set `name`, then drop or truncate overlong examples and drop those
-    left without label tokens; log the counts. Returns the examples kept and the format they were read as."""
+    """Tokenize the rows of `split` of the data set `name` (`held_out`: its eval split), then drop or truncate
+    overlong examples and drop those left without label tokens; log the counts. Returns the examples kept and the
+    format they were read as."""
     what = f"{name} [{split}]"
     try:
         fmt = detect_format(raw.column_names, cfg.dataset_format)
@@ -129,7 +130,8 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
             raise ConfigError(f"{what}: no message has the role assistant (the roles are {', '.join(roles)}), and "
                               f"the loss is on assistant turns: name the model's turns assistant (and the user's "
                               f"user), or set completion_only_loss false")
-        raise ConfigError(f"{what}: no example is left to train on (see the counts above)")
+        raise ConfigError(f"{what}: no example is left to {'evaluate' if held_out else 'train'} on (see the counts "
+                          f"above)")
     return kept, fmt
 
 
@@ -219,7 +221,7 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
             train, fmt = _tokenize(raw_train, tokenizer, cfg, name, split)
             formats.add(fmt)
             if raw_eval is not None:
-                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, name, eval_split)[0])
+                eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, name, eval_split, held_out=True)[0])
             elif cfg.eval_fraction > 0:
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)

@@ -1630,6 +1630,9 @@ def bad_input_cases(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    (tmp_path / "long_eval").mkdir()
+    demo.write_jsonl(tmp_path / "long_eval" / "train.jsonl", ROWS)
+    demo.write_jsonl(tmp_path / "long_eval" / "test.jsonl", [{"prompt": "a" * 100, "completion": "b"}])
     # The held-out split has the column the mapping renames onto, the training split not.
     (tmp_path / "eval_both").mkdir()
     demo.write_jsonl(tmp_path / "eval_both" / "train.jsonl", [{"question": "a", "completion": "c"}])
@@ -1718,6 +1721,8 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
          r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
+        (cfg(tmp_path / "long_eval", eval_split="test", overlong_examples="drop"),
+         r"^.*long_eval \[test\]: no example is left to evaluate on \(see the counts above\)$"),
         (cfg(tmp_path / "eval_both", dataset_column_mapping="question=prompt", eval_split="test"),
          r"renames 'question' to 'prompt', but .*eval_both \[test\] already has a column 'prompt': rename that one too"),
         (cfg(tmp_path / "copy"), r"copy holds several configs: set dataset_config_name\. .*\['main', 'socratic'\]"),
