@@ -46,6 +46,10 @@ def detect_format(columns: list[str], forced: str = "auto") -> str:
 
 
 def check_messages(messages, row: int) -> None:
+    if isinstance(messages, str):  # a CSV export of chat data, or JSON lines with the list written as its JSON
+        raise ConfigError(f"row {row}: 'messages' must be a non-empty list of {{role, content}}, got a string "
+                          f"({messages!r}): give the list, not its JSON text (a CSV cell holds text alone: write chat "
+                          f"data as JSON lines or Parquet)")
     if not isinstance(messages, list) or not messages:
         raise ConfigError(f"row {row}: 'messages' must be a non-empty list of {{role, content}}, got {messages!r}")
     for i, message in enumerate(messages):

@@ -1630,6 +1630,8 @@ def bad_input_cases(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:0])}
                          ).save_to_disk(tmp_path / "empty_split")
     demo.write_jsonl(tmp_path / "both.jsonl", [{"question": "a", "prompt": "b", "completion": "c"}])
+    # Chat data exported to CSV: each cell is text, the messages' JSON.
+    (tmp_path / "chat.csv").write_text('messages\n"[{""role"": ""user"", ""content"": ""a""}]"\n')
     (tmp_path / "long_eval").mkdir()
     demo.write_jsonl(tmp_path / "long_eval" / "train.jsonl", ROWS)
     demo.write_jsonl(tmp_path / "long_eval" / "test.jsonl", [{"prompt": "a" * 100, "completion": "b"}])
@@ -1721,6 +1723,10 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
          r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
+        (cfg(tmp_path / "chat.csv"), r"^.*chat.csv \[train\]: row 1 \(line 2\): 'messages' must be a non-empty list of "
+                                     r"\{role, content\}, got a string \('\[\{\"role\": \"user\", \"content\": \"a\"\}\]'\): "
+                                     r"give the list, not its JSON text \(a CSV cell holds text alone: write chat data "
+                                     r"as JSON lines or Parquet\)$"),
         (cfg(tmp_path / "long_eval", eval_split="test", overlong_examples="drop"),
          r"^.*long_eval \[test\]: no example is left to evaluate on \(see the counts above\)$"),
         (cfg(tmp_path / "eval_both", dataset_column_mapping="question=prompt", eval_split="test"),
