@@ -113,7 +113,7 @@ def _tokenize(raw: datasets.Dataset, tokenizer, cfg: TrainConfig, name: str, spl
         input_columns=["has_labels", "overlong"], batched=True, batch_size=100_000, desc=f"Filtering {what}",
     ).remove_columns(["has_labels", "overlong", "reasoning_left_out"]).with_format(None)
     no_labels = len(tokenized) - len(kept) - (overlong if drop_overlong else 0)
-    # Named so that a column the user meant to train on (Dolly's context, without context=input) is not left out unseen.
+    # Named, so that a column meant to be trained on (Dolly's context, without context=input) is not left out unseen.
     not_read = [c for c in raw.column_names if c not in FORMATS[fmt] + OPTIONAL_COLUMNS.get(fmt, [])]
     read_as = f"{fmt}; columns not read: {', '.join(not_read)}" if not_read else fmt
     print_rank0(f"data: {what}: {len(raw)} examples ({read_as}), {overlong} longer than max_seq_length="

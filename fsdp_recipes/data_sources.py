@@ -112,11 +112,13 @@ def _first_line_not_an_object(path: str) -> Optional[str]:
     joined from other files), else None; None too for a file whose first value is no object (one JSON array)."""
     with _open_text(path) as f:
         values = ((number, json.loads(line)) for number, line in enumerate(f, start=1) if line.strip())
-        first = next(values, (0, {}))
-        for number, value in itertools.chain([first], values) if isinstance(first[1], dict) else ():
+        first = next(values, None)
+        if first is None or not isinstance(first[1], dict):
+            return None
+        for number, value in itertools.chain([first], values):
             if not isinstance(value, (dict, type(None))):  # null is read as a row of nulls
-                return (f"line {number}: {_json_kind(value)}, not an object: write each row as a JSON object ({{...}}) "
-                        f"on a line of its own")
+                return (f"line {number}: {_json_kind(value)}, not an object: write each row as a JSON object "
+                        f"({{...}}) on a line of its own")
     return None
 
 
