@@ -292,18 +292,22 @@ def prepare_output_dir(cfg: TrainConfig) -> None:
     if resume and resume != "auto":
         raise ConfigError(f"{out} holds {', '.join(previous)} of another run than {resume}'s, which this run would "
                           f"overwrite or mix with its own: pass {start_over}")
-    if resume != "auto":
+    if resume != "auto" and LATEST_NAME in previous:
         raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
                           f"or mix with its own: pass --resume_from_checkpoint auto (or a checkpoint folder) to "
                           f"continue that run, {start_over}")
-    # A complete checkpoint without `latest` (removed, or a kill between the first rename and `latest`): which one
-    # to continue is the user's choice, not a guess.
+    # Without `latest` (removed, a kill between the first rename and `latest`, checkpoints copied without it), `auto`
+    # cannot continue: which checkpoint to continue is the user's choice, not a guess.
     steps = checkpoint_steps(out)
     # Without checkpoints, previous holds final/ alone: a run without save_steps, whose weights are all there is.
     resume_one = (f"pass --resume_from_checkpoint {os.path.join(out, f'checkpoint-{steps[-1]}')} (the newest) or "
                   f"another of them to continue, " if steps else
                   f"to train its final/ further, start a run with --model_name_or_path {os.path.join(out, 'final')} "
                   f"and another output_dir, or pass ")
+    if resume != "auto":
+        raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
+                          f"or mix with its own, and no `latest` file naming a checkpoint to resume: {resume_one}"
+                          f"{start_over}")
     raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
                       f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
 

@@ -1086,9 +1086,21 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
                                           f"holds checkpoint-4, checkpoint-6, final of an earlier run: pass "
                                           f"--resume_from_checkpoint {tmp_path}/checkpoint-6 \\(the newest\\)"):
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
+    # A fresh run is not told to pass `auto`, which would then stop on the missing `latest`.
+    with pytest.raises(ConfigError) as error:
+        prepare_output_dir(config(tmp_path))
+    assert str(error.value) == (
+        f"{tmp_path} holds checkpoint-4, checkpoint-6, final of an earlier run, which this fresh run would overwrite "
+        f"or mix with its own, and no `latest` file naming a checkpoint to resume: pass --resume_from_checkpoint "
+        f"{tmp_path}/checkpoint-6 (the newest) or another of them to continue, --overwrite_output_dir true to remove "
+        f"them and start over, or another output_dir")
     assert snapshot(tmp_path) == before
     for name in ["checkpoint-4", "checkpoint-6"]:
         shutil.rmtree(tmp_path / name)
+    with pytest.raises(ConfigError, match=f"this fresh run would overwrite or mix with its own, and no `latest` file "
+                                          f"naming a checkpoint to resume: to train its final/ further, start a run "
+                                          f"with --model_name_or_path {tmp_path}/final and another output_dir"):
+        prepare_output_dir(config(tmp_path))
     with pytest.raises(ConfigError) as error:
         prepare_output_dir(config(tmp_path, "--resume_from_checkpoint", "auto"))
     assert str(error.value) == (
