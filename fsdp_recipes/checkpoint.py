@@ -870,22 +870,22 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     # The gathers run outside the guarded parts, on every rank: a rank that failed in the middle of one (out of
     # memory) would go on to the failure check while the others wait in the gather's next collective. DCP reports
     # its own write failures on every rank.
-    _write_on_every_rank(make_folder, tmp, cfg.output_dir)
+    _write_on_every_rank(make_folder, tmp, cfg)
     if fmt == "sharded":
         write_model = functools.partial(dcp.save, sharded_model_state_dict(model),
                                         checkpoint_id=os.path.join(tmp, "model"))
     else:  # fp32 master weights, so that a resume is exact; final/ is written in save_dtype
         write_model = functools.partial(write_gathered_weights, model, gather_full_state_dict(model), tmp,
                                         torch.float32, cfg.max_shard_size, original_layout=False)
-    _write_on_every_rank(write_model, tmp, cfg.output_dir)
+    _write_on_every_rank(write_model, tmp, cfg)
     del write_model  # and with it the model's state dict
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=save_options(model))
     write_optimizer = functools.partial(dcp.save, optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
     del optimizer_state
-    _write_on_every_rank(write_optimizer, tmp, cfg.output_dir)
+    _write_on_every_rank(write_optimizer, tmp, cfg)
     del write_optimizer
-    _write_on_every_rank(write_own_files, tmp, cfg.output_dir)
-    _write_on_every_rank(finish, tmp, cfg.output_dir)
+    _write_on_every_rank(write_own_files, tmp, cfg)
+    _write_on_every_rank(finish, tmp, cfg)
     print_line(f"saved {final} ({fmt})")
     return final
 
@@ -900,7 +900,7 @@ def files_outside(root: str, subfolders: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -> None:
+def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) -> None:
     """Run this rank's part of a save; then every rank learns whether any rank failed, and all raise the same
     CheckpointError. A full disk shows up as torch's "unexpected pos" or DCP's CheckpointException, which do not
     say so: the error gives the space left."""
@@ -921,11 +921,21 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, output_dir: str) -
     dist.all_gather_object(reports, report, group=long_wait_group())
     failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
     if failed:
-        free_mib = shutil.disk_usage(output_dir).free / 2**20
+        free_mib = shutil.disk_usage(cfg.output_dir).free / 2**20
         raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with {free_mib:,.1f} MiB "
-                              f"free on the file system of {output_dir}: make room (or lower --save_total_limit), "
+                              f"free on the file system of {cfg.output_dir}: make room ({_room_advice(cfg)}), "
                               f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
                               f"checkpoint, if any)") from failure
+
+
+def _room_advice(cfg: TrainConfig) -> str:
+    """How save_total_limit bears on the room a save needs: retention removes the oldest checkpoint only once the new
+    one is complete, so save_total_limit 1 needs room for 2 (there is nothing lower to set)."""
+    if not cfg.save_total_limit:
+        return "or set --save_total_limit: every checkpoint is kept"
+    needs = (f"a save needs room for {cfg.save_total_limit + 1} checkpoints, as the oldest is removed once the new "
+             f"one is complete")
+    return needs if cfg.save_total_limit == 1 else f"or lower --save_total_limit {cfg.save_total_limit}: {needs}"
 
 
 def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:

@@ -160,7 +160,7 @@ def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
     error = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         f"error: writing the checkpoint {out}/checkpoint-2.tmp failed \\(rank 0: .+\\), with [0-9.]+ MiB free on the "
-        f"file system of {out}: make room \\(or lower --save_total_limit\\), then resume with "
+        f"file system of {out}: make room \\(or set --save_total_limit: every checkpoint is kept\\), then resume with "
         f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", error), error
     left = tmp_path / "left"
     assert (left / "latest").read_text() == "checkpoint-1"
@@ -228,11 +228,18 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
 
+@pytest.mark.parametrize("limit, room", [
+    ([], "or set --save_total_limit: every checkpoint is kept"),
+    (["--save_total_limit", "3"], "or lower --save_total_limit 3: a save needs room for 4 checkpoints, as the oldest "
+                                  "is removed once the new one is complete"),
+    # Nothing lower to set: the advice was to lower it.
+    (["--save_total_limit", "1"], "a save needs room for 2 checkpoints, as the oldest is removed once the new one is "
+                                  "complete")], ids=["no_limit", "limit_3", "limit_1"])
 def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(tiny, tmp_path, one_process_group,
-                                                                              monkeypatch):
+                                                                              monkeypatch, limit, room):
     """torch.save reports a full disk as a RuntimeError ("unexpected pos"): it must become the same failed save as
     an OSError, which every rank learns of; escaping on one rank, it left the others waiting in the next gather."""
-    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, *limit)])
     model = shard_model(load_model(cfg), resolve_plan(cfg))
     optimizer = build_optimizer(model, cfg)
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
@@ -249,7 +256,7 @@ def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(ti
     assert re.fullmatch(
         f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: RuntimeError: \\[enforce fail at "
         f"inline_container.cc:664\\] . unexpected pos 64 vs 0\\), with [0-9.,]+ MiB free on the file system of "
-        f"{tmp_path}: make room \\(or lower --save_total_limit\\), then resume with --resume_from_checkpoint auto "
+        f"{tmp_path}: make room \\({re.escape(room)}\\), then resume with --resume_from_checkpoint auto "
         f"\\(`latest` still names the previous checkpoint, if any\\)", str(error.value)), str(error.value)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
