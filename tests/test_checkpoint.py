@@ -1859,15 +1859,18 @@ def descendants(pid: int) -> list[int]:
     return [d for child in children for d in [child, *descendants(child)]]
 
 
-def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bool, output_dir: Path
-                            ) -> tuple[int, str]:
-    """Run the recipe on 2 processes under torchrun and send SIGTERM to `ranks`, or with launcher_too to every process
-    of the run (torchrun forwards its own to each rank), once step 1 is in metrics.jsonl; return torchrun's exit code
-    and output."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def sigterm_after_first_log(args: list, ranks: tuple[int, ...], launcher_too: bool, output_dir: Path,
+                            launch: list = TORCHRUN) -> tuple[int, str]:
+    """Run the recipe on 2 processes under `launch` (torchrun) and send SIGTERM to `ranks`, or with launcher_too to
+    every process of the run (the launcher forwards its own to each rank), once step 1 is in metrics.jsonl; return the
+    launcher's exit code and output."""
     logs = output_dir.parent / f"{output_dir.name}.log"
     with open(logs, "w") as log, subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RECIPE,
-             *map(str, args)], cwd=REPO, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT) as launcher:
+            [*launch, RECIPE, *map(str, args)], cwd=REPO, env=subprocess_env(), stdout=log,
+            stderr=subprocess.STDOUT) as launcher:
         metrics = output_dir / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text()) and launcher.poll() is None:
             time.sleep(0.05)
@@ -1914,6 +1917,19 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     assert f"resumed from {tmp_path / f'checkpoint-{step}'} at step {step}" in resumed.stdout
     assert losses(tmp_path) == losses(reference)
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
+
+
+def test_accelerate_launch_given_a_sigterm_exits_with_the_code_the_readme_gives(tiny, tmp_path):
+    """accelerate 1.16 exits 128 + SIGTERM where torchrun exits 1; the README gave 1 for every launcher."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2_cpu.yaml",
+              "--main_process_port", "0"]
+    args = recipe_args(tiny, tmp_path, "--save_steps", "100", "--max_steps", 100)
+    code, output = sigterm_after_first_log(args, (0, 1), True, tmp_path, launch)
+    assert "Received 15 death signal, shutting down workers" in output
+    [step] = re.findall(f"stopped by SIGTERM after step ([0-9]+): saved {tmp_path}/checkpoint-\\1;", output)
+    assert (tmp_path / "latest").read_text() == f"checkpoint-{step}"
+    readme = (REPO / "README.md").read_text().replace("\n", " ")
+    assert re.search(r"`accelerate launch` \([0-9.]+\) exits ([0-9]+)", readme)[1] == str(code) == "143", output
 
 
 def test_a_sigterm_stops_a_one_process_run_with_its_line_and_exit_code_143(tiny, tmp_path):
