@@ -450,6 +450,13 @@ def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")
                     f.keys()
             except Exception as error:
                 raise CheckpointError(f"{file} is corrupt or truncated: {error}") from None
+    # A copy kept for the converter, which reads neither, may lack these folders whole (removed to save space).
+    absent = [name for name in parts if not os.path.isdir(os.path.join(path, name))]
+    if absent:
+        raise CheckpointError(f"{path} has no {' or '.join(f'{name}/' for name in absent)} folder, which a resume "
+                              f"needs: resume from a complete checkpoint, or convert this one's weights (`python -m "
+                              f"fsdp_recipes.convert {path} <out_dir>`) to train them further in a fresh run with "
+                              f"--model_name_or_path <out_dir>")
     if "optimizer" in parts:
         read_dcp_metadata(os.path.join(path, "optimizer"))
     for name in ["config.json", *state.get("model_files", [])]:  # the list: since 2026-12 (older ones lack it)

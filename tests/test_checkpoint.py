@@ -687,6 +687,15 @@ def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
     shutil.copytree(reference / "checkpoint-6", tmp_path / "no_rng")
     os.remove(tmp_path / "no_rng" / "rng" / "rank_1.pt")
     cases["no_rng"] = r"no_rng is incomplete: rng/rank_1.pt is missing"
+    # Removed to save space, as the converter allows: the folder was reported as "its .metadata file is missing".
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "no_optimizer", ignore=shutil.ignore_patterns("optimizer"))
+    cases["no_optimizer"] = (rf"no_optimizer has no optimizer/ folder, which a resume needs: resume from a complete "
+                             rf"checkpoint, or convert this one's weights \(`python -m fsdp_recipes.convert "
+                             rf"{tmp_path}/no_optimizer <out_dir>`\) to train them further in a fresh run with "
+                             rf"--model_name_or_path <out_dir>$")
+    shutil.copytree(reference / "checkpoint-6", tmp_path / "for_convert",
+                    ignore=shutil.ignore_patterns("optimizer", "rng"))
+    cases["for_convert"] = r"for_convert has no optimizer/ or rng/ folder, which a resume needs"
     shutil.copytree(reference / "checkpoint-6", tmp_path / "bad_rng")
     rng = tmp_path / "bad_rng" / "rng" / "rank_0.pt"
     os.truncate(rng, rng.stat().st_size // 2)
