@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
-from .distributed import long_wait_group, run_on_rank0
+from .distributed import long_wait_group, print_rank0, run_on_rank0
 from . import fsdp1
 from .families import hub_cache_miss, model_load_error
 from .plan import ShardingPlan
@@ -117,18 +117,40 @@ def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrain
     overrides, saved_values = model_config_overrides(cfg)
     try:
         with transformers_initialises_every_weight():
-            model = AutoModelForCausalLM.from_pretrained(
+            model, loading = AutoModelForCausalLM.from_pretrained(
                 cfg.model_name_or_path,
                 dtype=dtype,
                 attn_implementation=cfg.attn_implementation,
                 trust_remote_code=cfg.trust_remote_code,
+                output_loading_info=True,
                 **overrides,
             )
     except OSError as error:  # a file the folder lacks (weights, the model code its auto_map names): one line
         raise ConfigError(model_load_error(cfg.model_name_or_path, error)) from error
+    check_no_weight_missing(model, loading["missing_keys"], cfg.model_name_or_path)
     set_use_cache(model.config, False)  # the KV cache only costs memory in training
     model.config_for_export = saved_values  # see export.write_model_files
     return model
+
+
+def check_no_weight_missing(model: PreTrainedModel, missing: list[str], path: str) -> None:
+    """Parameters the checkpoint holds no weights for start from random values: a config.json that does not match
+    the weights (one without num_hidden_layers builds transformers' default of 32 layers) would fine-tune a mostly
+    random model, with only transformers' load report to say so. The output layer alone may be new (a checkpoint of
+    the model without its head), which a line says."""
+    output = model.get_output_embeddings()
+    head = {name for name, param in model.named_parameters() if output is not None and param is output.weight}
+    parameters = dict(model.named_parameters())
+    lacking = [name for name in parameters if name in set(missing) - head]  # in the model's order
+    if lacking:
+        shown = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+        layers = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        built = f" (the model built from it has {layers} layers)" if layers else ""
+        raise ConfigError(f"{path} holds no weights for {len(lacking)} of the model's {len(parameters)} parameters "
+                          f"({shown}), which would train from random values: its config.json does not match its "
+                          f"weights{built}, or a weight file is missing")
+    for name in sorted(head & set(missing)):
+        print_rank0(f"warning: {path} holds no {name}: the output layer starts from random values")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_recipes.config import parse_config
+from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.model import load_model, load_sharded_model
 from fsdp_recipes.plan import resolve_plan
 
@@ -319,3 +319,37 @@ def test_rank0_loading_gives_the_model_from_pretrained_gives(tiny, fsdp_version,
     inputs = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(model(inputs).logits, load_model(cfg)(inputs).logits)
+
+
+@pytest.mark.parametrize("rank0_loading", ["false", "true"])
+def test_weights_the_checkpoint_lacks_are_refused_but_a_new_output_layer(tiny, tmp_path, rank0_loading,
+                                                                         one_process_group, capsys):
+    """A config.json without num_hidden_layers builds transformers' default of 32 layers, 30 of which the weights
+    do not hold: the run would fine-tune them from random values. A checkpoint of the model without its head (saved
+    from LlamaModel) gets a new output layer, with a line that says so."""
+    broken = shutil.copytree(tiny["model"], tmp_path / "no_layer_count")
+    config = json.loads((broken / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (broken / "config.json").write_text(json.dumps(config))
+    headless = tmp_path / "headless"
+    load_model(parse_config(["--model_name_or_path", str(tiny["model"]), "--dataset_name", "x"])).model.save_pretrained(
+        headless)
+    shutil.copy(tiny["model"] / "tokenizer.json", headless)
+
+    def load(path):
+        cfg = parse_config(["--model_name_or_path", str(path), "--dataset_name", "x", "--mixed_precision", "no",
+                            "--fsdp_cpu_ram_efficient_loading", rank0_loading])
+        return load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+
+    with pytest.raises(ConfigError, match=rf"^{broken} holds no weights for 270 of the model's 291 parameters "
+                                          r"\(model\.layers\.2\.self_attn\.q_proj\.weight, model\.layers\.2\.self_attn"
+                                          r"\.k_proj\.weight, model\.layers\.2\.self_attn\.v_proj\.weight and 267 more\), "
+                                          r"which would train from random values: its config\.json does not match its "
+                                          r"weights \(the model built from it has 32 layers\), or a weight file is "
+                                          r"missing$"):
+        load(broken)
+    capsys.readouterr()
+    model = load(headless)
+    assert capsys.readouterr().out.count(f"warning: {headless} holds no lm_head.weight: the output layer starts from "
+                                         f"random values\n") == 1
+    assert model.get_output_embeddings().weight.shape == model.get_input_embeddings().weight.shape
