@@ -108,6 +108,11 @@ def split_recipe(text: str, path: str = "the recipe") -> tuple[str, str, str, st
 
 def recipes_training(model_type: str, recipes_dir: str) -> list[str]:
     """The recipes in recipes_dir whose MODEL_TYPES lists model_type (gemma_sft.py for gemma3_text)."""
+    return [path for path, listed in listed_model_types(recipes_dir) if model_type in listed]
+
+
+def listed_model_types(recipes_dir: str) -> list[tuple[str, list]]:
+    """Each recipe of recipes_dir with the keys of its MODEL_TYPES."""
     found = []
     for name in sorted(os.listdir(recipes_dir)):
         if not name.endswith(".py"):
@@ -119,9 +124,9 @@ def recipes_training(model_type: str, recipes_dir: str) -> list[str]:
                 continue
         for node in module.body:
             if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_TYPES" for t in node.targets)
-                    and isinstance(node.value, ast.Dict)
-                    and model_type in [getattr(key, "value", None) for key in node.value.keys]):
-                found.append(os.path.join(recipes_dir, name))
+                    and isinstance(node.value, ast.Dict)):
+                keys = [getattr(key, "value", None) for key in node.value.keys]
+                found.append((os.path.join(recipes_dir, name), keys))
     return found
 
 
@@ -138,6 +143,15 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
         if trained_by:  # a second recipe would lack the family's defaults (Qwen3-MoE's router loss)
             return (f"{trained_by[0]} trains {model_type} models: run it (or a copy of it), with its YAML config "
                     f"from {os.path.join(folder, 'configs')}")
+    # "-" for "_" or the reverse (qwen3-moe): a recipe for a model type that config.json never spells, and that the
+    # family's recipe trains (a file name would not tell: gemma3-text's would be gemma3_text_sft.py).
+    for folder in folders:
+        for path, listed in listed_model_types(folder) if os.path.isdir(folder) else []:
+            for spelled in listed:
+                if isinstance(spelled, str) and spelled.replace("-", "_") == model_type.replace("-", "_"):
+                    return (f"config.json spells this model type {spelled}, not {model_type}: {path} trains "
+                            f"{spelled} models: run it (or a copy of it), with its YAML config from "
+                            f"{os.path.join(folder, 'configs')}")
     name = model_type.replace("-", "_")
     named = os.path.join(recipes_dir, f"{name}_sft.py")
     if os.path.exists(named):
