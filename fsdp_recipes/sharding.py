@@ -30,6 +30,13 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
         # A class may declare the layers of its other variants too (Gemma 3's vision tower in a text-only model).
         names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in by_name]
         return tuple(by_name[n] for n in names) if names else (find_decoder_layer_class(model),)
+    if type(model).__name__ in names:
+        # The root is always a unit of its own: as a layer class too, FSDP2 would shard it twice (torch's assertion
+        # "can only be applied to a module once"), FSDP1 would make one unit of it and call it a layer.
+        raise ConfigError(
+            f"fsdp_transformer_layer_cls_to_wrap names {type(model).__name__}, the model's own class, which is always "
+            f"the root unit: name the class of its decoder layers, or leave the key unset to wrap them"
+        )
     missing = [n for n in names if n not in by_name]
     if missing:
         raise ConfigError(

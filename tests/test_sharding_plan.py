@@ -392,6 +392,11 @@ def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
     with pytest.raises(ConfigError, match=r"names LlamaBlock, which is not a module class of LlamaForCausalLM; "
                                           r"its module classes are: .*LlamaDecoderLayer.*LlamaRMSNorm"):
         find_layer_classes(model, ["LlamaBlock"])
+    # The model's own class: FSDP2 stopped on torch's "can only be applied to a module once", FSDP1 trained one unit.
+    with pytest.raises(ConfigError, match=r"^fsdp_transformer_layer_cls_to_wrap names LlamaForCausalLM, the model's "
+                                          r"own class, which is always the root unit: name the class of its decoder "
+                                          r"layers, or leave the key unset to wrap them$"):
+        find_layer_classes(model, ["LlamaDecoderLayer", "LlamaForCausalLM"])
 
 
 def test_a_tied_parameter_split_over_two_units_is_refused():
