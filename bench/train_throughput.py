@@ -267,6 +267,15 @@ def main() -> None:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # a round would run it twice, and its runs would pair with the wrong ones of the reference
         raise SystemExit(f"variants named more than once: {twice}; name each once")
+    # Caught here, not as a traceback from the workers (or from the summary, after every run, for --repeats 0).
+    for name in ["repeats", "steps", "micro_batches", "pack_batch_size", "pad_batch_size", "vocab_size",
+                 "num_layers", "max_seq_length"]:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup_steps < 0:
+        raise SystemExit(f"--warmup_steps must be at least 0, got {args.warmup_steps}")
+    if args.hidden_size < 64:  # one attention head per 64 of the hidden size
+        raise SystemExit(f"--hidden_size must be at least 64 (one attention head per 64), got {args.hidden_size}")
     # 2 processes split each step's micro-batches: an odd count would leave one out of theirs, not the reference's.
     if args.micro_batches % 2 and any(VARIANTS[n][0] == 2 for n in names):
         raise SystemExit(f"--micro_batches {args.micro_batches} does not split over 2 processes: pass an even count")

@@ -64,3 +64,18 @@ def test_readme_commands_run_each_variant_once():
     # 5 rounds for fp32 (their spread is reported), 1 for bf16 (9 minutes a round).
     assert {repeats: {bench.VARIANTS[n][2] for n in variants.split(",")} for repeats, variants in commands} == {
         "5": {"no"}, "1": {"bf16"}}
+
+
+def test_flags_that_leave_nothing_to_time_are_refused_before_any_run():
+    """--repeats 0 failed with an IndexError after every run, --steps 0, --micro_batches 0 and --hidden_size 32 with
+    the workers' tracebacks (a 0/0 share, a missing column, 0 attention heads)."""
+    for flag, value, message in [("--repeats", "0", "--repeats must be at least 1, got 0"),
+                                 ("--steps", "0", "--steps must be at least 1, got 0"),
+                                 ("--micro_batches", "0", "--micro_batches must be at least 1, got 0"),
+                                 ("--warmup_steps", "-1", "--warmup_steps must be at least 0, got -1"),
+                                 ("--hidden_size", "32",
+                                  "--hidden_size must be at least 64 (one attention head per 64), got 32")]:
+        proc = run([sys.executable, "bench/train_throughput.py", flag, value, "--variants", "reference fp32 packed"],
+                   expect_rc=1)
+        assert proc.stderr.strip().splitlines()[-1] == message
+        assert "machine:" not in proc.stdout  # refused before the first run
