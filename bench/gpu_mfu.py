@@ -187,6 +187,11 @@ def run_variant(name: str, passthrough: list[str], timeout: float) -> dict:
     return json.loads(lines[0]) if lines else {"variant": name, "error": error}
 
 
+def mfu_text(mfu: float | None) -> str:
+    """A percentage, as the table shows it; "-" where the device's peak is unknown (the CPU without --peak_tflops)."""
+    return "-" if mfu is None else f"{mfu:.1%}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the results here as JSON")
@@ -208,6 +213,10 @@ def main() -> None:
             parse_variant(name)
     except ValueError as error:
         raise SystemExit(str(error))
+    # Caught here, not as each variant's worker traceback (a division by zero for --steps 0).
+    for name in ["seq_len", "batch_size", "accumulation", "steps"]:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1, got {getattr(args, name)}")
     passthrough = [f"--{k}={v}" for k, v in vars(args).items() if v is not None and k not in ("out", "variants", "worker")]
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     print(f"{device_name(device)}, torch {torch.__version__}, sequence {args.seq_len}, "
@@ -218,7 +227,7 @@ def main() -> None:
         result = (run_variant(name, passthrough, left) if left >= 30
                   else {"variant": name, "error": "skipped: time budget spent"})
         results.append(result)
-        print(f"  {name}: " + (f"{result['tokens_per_second']} tokens/s, MFU {result['mfu']}" if "error" not in result
+        print(f"  {name}: " + (f"{result['tokens_per_second']} tokens/s, MFU {mfu_text(result['mfu'])}" if "error" not in result
                               else result["error"].splitlines()[-1]), flush=True)
         if args.out:  # after each variant: a run cut short by an outer time limit keeps what it measured
             with open(args.out, "w") as f:
@@ -231,8 +240,7 @@ def main() -> None:
         if "error" in r:
             print(f"{r['variant']:{width}s} {r['error'].splitlines()[-1][:80]}")
         else:
-            mfu, per_example = (f"{r[key]:.1%}" if r[key] is not None else "-"
-                                for key in ("mfu", "mfu_attention_per_example"))
+            mfu, per_example = (mfu_text(r[key]) for key in ("mfu", "mfu_attention_per_example"))
             print(f"{r['variant']:{width}s} {r['tokens_per_second']:9d} {r['tflops_per_second']:8.1f} {mfu:>6s} "
                   f"{per_example:>6s} {r[memory]:18.1f} {r['warmup_seconds']:9.1f} {r['last_step_loss']:6.2f}")
 

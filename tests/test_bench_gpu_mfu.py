@@ -83,3 +83,13 @@ def test_gpu_benchmark_shapes_are_llama_3_2_and_bad_variants_are_refused():
     assert bench.parse_variant("my org/model eager") == ("my org/model", False, False)
     proc = run([sys.executable, "bench/gpu_mfu.py", "--variants", "3B fast"], expect_rc=1)
     assert "variant '3B fast' must be a model followed by one of the modes: eager, compile" in proc.stderr
+
+
+def test_flags_that_leave_nothing_to_time_are_refused_before_any_variant_and_mfu_reads_as_in_the_table():
+    """--steps 0 failed each variant with its worker's ZeroDivisionError; the progress line printed "MFU None" on
+    the CPU and a bare fraction (0.4312) where the table prints 43.1%."""
+    for flag in ["--steps", "--seq_len", "--batch_size", "--accumulation"]:
+        proc = run([sys.executable, "bench/gpu_mfu.py", flag, "0", "--variants", "1B eager"], expect_rc=1)
+        assert proc.stderr.strip().splitlines()[-1] == f"{flag} must be at least 1, got 0"
+    bench = load_bench("gpu_mfu")
+    assert (bench.mfu_text(None), bench.mfu_text(0.4312)) == ("-", "43.1%")
