@@ -88,6 +88,12 @@ def main() -> None:
     args = parser.parse_args()
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes a fresh checkpoint there")
+    from fsdp_recipes.config import ConfigError, shard_size_in_bytes
+
+    try:  # the converter would refuse it only after the checkpoint is written (minutes at the default size)
+        shard_size_in_bytes(args.max_shard_size)
+    except ConfigError as error:
+        raise SystemExit(f"--max_shard_size: {error}")
 
     checkpoint, size, largest_tensor = make_checkpoint(args.work_dir, args.hidden_size, args.num_layers,
                                                        args.vocab_size, args.num_experts)

@@ -37,3 +37,12 @@ def test_converter_memory_stays_near_one_expert_for_a_mixture_of_experts(tmp_pat
     assert peaks[1] - peaks[0] < 32, f"converter used {peaks[1] - peaks[0]} MB over its imports"
     index = json.loads((tmp_path / "bench" / "ours" / "model.safetensors.index.json").read_text())
     assert "model.layers.1.mlp.experts.15.up_proj.weight" in index["weight_map"]  # per expert, as on the Hub
+
+
+def test_a_bad_max_shard_size_is_refused_before_the_checkpoint_is_written(tmp_path):
+    """The converter refused it only after the benchmark had written its checkpoint (minutes at the default size)."""
+    proc = run([sys.executable, "bench/convert_bench.py", "--work_dir", tmp_path / "bench", "--max_shard_size", "5XB"],
+               expect_rc=1)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "--max_shard_size: max_shard_size must be a positive size such as 5GB, 500MB or 4GiB, got '5XB'")
+    assert not (tmp_path / "bench").exists()
