@@ -132,13 +132,20 @@ def main() -> None:
         return worker(args.work_dir, args.worker, args.hidden_size, args.vocab_size)
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes fresh checkpoints there")
+    # Caught here, not as a traceback (a ValueError, or the workers' errors for a model of 0 layers or heads).
+    sizes = args.num_layers.split(",")
+    if not all(n.strip().isdigit() and int(n) > 0 for n in sizes):
+        raise SystemExit(f"--num_layers must be comma-separated positive integers, got {args.num_layers!r}")
+    if args.hidden_size < 64 or args.vocab_size < 1:  # one attention head per 64 of the hidden size
+        raise SystemExit(f"--hidden_size must be at least 64 (one attention head per 64) and --vocab_size at least 1, "
+                         f"got {args.hidden_size} and {args.vocab_size}")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # the CPU's memory is measured
     _, _, import_anon_mb = measure([sys.executable, "-c", "import fsdp_recipes.convert"])
     print(f"load average {os.getloadavg()}; the converter's imports alone: {import_anon_mb:.0f} MB anonymous",
           flush=True)
     results = []
-    for num_layers in [int(n) for n in args.num_layers.split(",")]:
+    for num_layers in map(int, sizes):
         run_dir = os.path.join(args.work_dir, f"layers_{num_layers}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.abspath(__file__), "--work_dir", run_dir, "--worker", str(num_layers),

@@ -38,3 +38,15 @@ def test_a_phase_counts_the_memory_it_reuses_from_an_earlier_phases_freed_tensor
     reuse = bench.measure_phase("allocate again", lambda: kept.append(
         [torch.ones(4 * mib, dtype=torch.uint8) for _ in range(32)]))
     assert 120 < reuse["extra_rss_mb"] < 140
+
+
+def test_bad_model_sizes_are_refused_before_any_run(tmp_path):
+    """--num_layers 1,x failed with a ValueError traceback, --num_layers 0 with the workers' errors."""
+    for flags, message in [
+            (["--num_layers", "1,x"], "--num_layers must be comma-separated positive integers, got '1,x'"),
+            (["--num_layers", "0"], "--num_layers must be comma-separated positive integers, got '0'"),
+            (["--hidden_size", "32"], "--hidden_size must be at least 64 (one attention head per 64) and --vocab_size "
+                                      "at least 1, got 32 and 32000")]:
+        proc = run([sys.executable, "bench/checkpoint_bench.py", "--work_dir", tmp_path / "work", *flags], expect_rc=1)
+        assert proc.stderr.strip().splitlines()[-1] == message
+        assert not (tmp_path / "work").exists()
