@@ -130,6 +130,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args.work_dir, args.worker, args.hidden_size, args.vocab_size)
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):  # found before the runs, not after
+        raise SystemExit(f"--out {args.out}: no such folder to write the JSON into")
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"{args.work_dir} is not empty: the benchmark writes fresh checkpoints there")
     # Caught here, not as a traceback (a ValueError, or the workers' errors for a model of 0 layers or heads).

@@ -260,6 +260,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):  # found before the runs, not after
+        raise SystemExit(f"--out {args.out}: no such folder to write the JSON into")
     names = [n.strip() for n in args.variants.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:

@@ -79,3 +79,15 @@ def test_flags_that_leave_nothing_to_time_are_refused_before_any_run():
                    expect_rc=1)
         assert proc.stderr.strip().splitlines()[-1] == message
         assert "machine:" not in proc.stdout  # refused before the first run
+
+
+def test_every_benchmark_refuses_an_out_path_in_no_folder_before_it_runs(tmp_path):
+    """The JSON was written last (train_throughput, checkpoint_bench: after every run, up to an hour) or after the
+    first variant (gpu_mfu), and a missing folder then failed with a FileNotFoundError, the measurements lost."""
+    out = tmp_path / "missing" / "results.json"
+    for cmd in [["bench/train_throughput.py", "--variants", "reference fp32 packed"],
+                ["bench/gpu_mfu.py", "--variants", "1B eager"],
+                ["bench/checkpoint_bench.py", "--work_dir", tmp_path / "work"]]:
+        proc = run([sys.executable, *cmd, "--out", out], expect_rc=1)
+        assert proc.stderr.strip().splitlines()[-1] == f"--out {out}: no such folder to write the JSON into"
+    assert not (tmp_path / "work").exists()
