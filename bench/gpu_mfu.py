@@ -229,8 +229,8 @@ def main() -> None:
         result = (run_variant(name, passthrough, left) if left >= 30
                   else {"variant": name, "error": "skipped: time budget spent"})
         results.append(result)
-        print(f"  {name}: " + (f"{result['tokens_per_second']} tokens/s, MFU {mfu_text(result['mfu'])}" if "error" not in result
-                              else result["error"].splitlines()[-1]), flush=True)
+        done = f"{result['tokens_per_second']} tokens/s, MFU {mfu_text(result['mfu'])}" if "error" not in result else ""
+        print(f"  {name}: " + (done or result["error"].splitlines()[-1]), flush=True)
         if args.out:  # after each variant: a run cut short by an outer time limit keeps what it measured
             with open(args.out, "w") as f:
                 json.dump({"settings": vars(args), "results": results}, f, indent=2)
