@@ -764,12 +764,12 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
                                     f"copy of it), with its YAML config from {REPO}/recipes/configs\n")
     # "-" for "_": a recipe for a model type that config.json never spells, beside the family's (gemma3_text_sft.py
     # under a free file name; for qwen3-moe, advice to add it to qwen3_moe_sft.py, whose file name it takes).
-    assert refusal("gemma3-text") == (f"error: config.json spells this model type gemma3_text, not gemma3-text: "
-                                      f"{recipes}/gemma_sft.py trains gemma3_text models: run it (or a copy of it), "
-                                      f"with its YAML config from {recipes}/configs\n")
-    assert refusal("qwen3-moe") == (f"error: config.json spells this model type qwen3_moe, not qwen3-moe: "
-                                    f"{REPO}/recipes/qwen3_moe_sft.py trains qwen3_moe models: run it (or a copy of "
-                                    f"it), with its YAML config from {REPO}/recipes/configs\n")
+    for spelled, folder, recipe in [("gemma3-text", recipes, "gemma_sft.py"),
+                                    ("qwen3-moe", REPO / "recipes", "qwen3_moe_sft.py")]:
+        right = spelled.replace("-", "_")
+        assert refusal(spelled) == (f"error: config.json spells this model type {right}, not {spelled}: "
+                                    f"{folder}/{recipe} trains {right} models: run it (or a copy of it), with its "
+                                    f"YAML config from {folder}/configs\n")
     # Gemma 1: the recipe of its file name is Gemma 2's and 3's.
     assert refusal("gemma") == (f'error: add "gemma" to MODEL_TYPES in {recipes}/gemma_sft.py if its YAML config\'s '
                                 f'defaults suit it (`make new-recipe MODEL=gemma` cannot write that file: it exists), '
