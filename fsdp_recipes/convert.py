@@ -288,12 +288,10 @@ def keep_tensors_in_their_own_mappings() -> None:
     libc.mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD
 
 
-# How the module is run: argparse would name the file (convert.py), which no command runs.
-PROG = "python -m fsdp_recipes.convert"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Named as the README runs it: argparse alone would name the file, which no command runs.
+    parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a checkpoint-<step> folder (sharded or full)")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (absent or empty)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32",

@@ -113,10 +113,6 @@ def evaluate(model_dir: str, data_file: str, batch_size: int = 50) -> float:
     return accuracy
 
 
-# How the module is run: argparse would name the file (demo.py), which no command runs.
-PROG = "python -m fsdp_recipes.demo"
-
-
 def fraction(text: str) -> float:
     """--min_accuracy, a share of the prompts as `make demo` gives it (0.9): 90 would fail every model."""
     value = float(text)
@@ -126,7 +122,9 @@ def fraction(text: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Named as the README runs it: argparse alone would name the file, which no command runs.
+    parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="write the base model, tokenizer and data")
     p.add_argument("--out_dir", required=True)

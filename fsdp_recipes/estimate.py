@@ -439,12 +439,10 @@ def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActiva
     return "\n".join(lines)
 
 
-# How the module is run: argparse would name the file (estimate.py), which no command runs.
-PROG = "python -m fsdp_recipes.estimate"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    # Named as the README runs it: argparse alone would name the file, which no command runs.
+    parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--model", required=True, help="hub id, local model folder, or a config.json file")
     parser.add_argument("--num_gpus", type=int, required=True, help="GPUs in all, over all nodes")

@@ -250,12 +250,10 @@ def sync_recipes(recipes_dir: str) -> tuple[dict[str, str], list[str]]:
     return {path: diff for path, (_, diff) in updates.items()}, skipped
 
 
-# How the module is run: argparse would name the file (new_recipe.py), which no command runs.
-PROG = "python -m fsdp_recipes.new_recipe"
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Named as the README runs it: argparse alone would name the file, which no command runs.
+    parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_type", nargs="?", help="config.json's model_type, e.g. olmo2")
     parser.add_argument("--recipes_dir", default=os.path.join(REPO, "recipes"))
     parser.add_argument("--sync", action="store_true", help="copy llama_sft.py's shared part into every recipe")
