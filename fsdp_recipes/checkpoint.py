@@ -54,7 +54,7 @@ from transformers import AutoTokenizer
 
 from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, looked_in
 from .data_formats import DEFAULT_CHAT_TEMPLATE
-from .distributed import long_wait_group, print_rank0, run_on_rank0
+from .distributed import long_wait_group, print_rank0, ranks, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
                      tied_parameter_names, write_gathered_weights, write_model_files)
 from .metrics import saved_wandb_run
@@ -702,20 +702,20 @@ def training_data_differences(state: dict, dataset) -> Optional[str]:
 def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
     """Sequences per optimizer step over all ranks, and how they are made up."""
     batch, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
-    return world_size * batch * accumulation, f"{world_size} ranks x {batch} x {accumulation}"
+    return world_size * batch * accumulation, f"{ranks(world_size)} x {batch} x {accumulation}"
 
 
 def global_batch_advice(saved_batch: int, world_size: int, batch: int) -> str:
     """How this run's world size keeps the checkpoint's global batch: after a lost node the checkpoint's own layout
     is out of reach, so the error names the accumulation that fits (or says that none does)."""
     if saved_batch % world_size:
-        return f", which no layout of {world_size} ranks gives: resume on a world size that divides {saved_batch}"
+        return f", which no layout of {ranks(world_size)} gives: resume on a world size that divides {saved_batch}"
     per_rank = saved_batch // world_size
     if per_rank % batch:
-        return (f", kept on {world_size} ranks by per_device_train_batch_size x gradient_accumulation_steps = "
+        return (f", kept on {ranks(world_size)} by per_device_train_batch_size x gradient_accumulation_steps = "
                 f"{per_rank}")
-    return (f", kept on {world_size} ranks by --gradient_accumulation_steps {per_rank // batch} ({world_size} ranks x "
-            f"{batch} x {per_rank // batch})")
+    return (f", kept on {ranks(world_size)} by --gradient_accumulation_steps {per_rank // batch} "
+            f"({ranks(world_size)} x {batch} x {per_rank // batch})")
 
 
 def master_dtype(model: nn.Module) -> str:
@@ -984,7 +984,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer, scheduler) -> dict:
     if state["world_size"] == dist.get_world_size():
         _set_rng_state(torch.load(os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt"), weights_only=True))
     else:
-        print_rank0(f"resume: {path} was saved by {state['world_size']} ranks, this run has "
+        print_rank0(f"resume: {path} was saved by {ranks(state['world_size'])}, this run has "
                     f"{dist.get_world_size()}: RNG states are not restored")
     print_rank0(f"resumed from {path} at step {state['step']}")
     return state

@@ -223,3 +223,8 @@ def exit_process(code: int = 0) -> NoReturn:
 def print_rank0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
+
+
+def ranks(count: int) -> str:
+    """'1 rank', '2 ranks': a one-process run reads as one in the messages."""
+    return f"{count} rank{'s' if count != 1 else ''}"

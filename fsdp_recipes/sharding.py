@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from . import fsdp1, fsdp2
 from .config import ConfigError
-from .distributed import print_rank0
+from .distributed import print_rank0, ranks
 from .plan import ShardingPlan
 
 MASTER_DTYPE = {"bf16": torch.float32, "no": torch.float32, "pure_bf16": torch.bfloat16}
@@ -123,7 +123,7 @@ def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh:
     # FSDP1 HYBRID_SHARD's default: replicate across nodes, shard within a node.
     replicate = plan.dp_replicate_size or world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % replicate:
-        raise ConfigError(f"dp_replicate_size {replicate} does not divide the {world} ranks")
+        raise ConfigError(f"dp_replicate_size {replicate} does not divide the {ranks(world)}")
     if plan.fsdp_version == 1 and replicate == world > 1:
         # torch then switches to NO_SHARD within the 1-rank shard group and never all-reduces across replicas.
         replicas = (f"dp_replicate_size {replicate}" if plan.dp_replicate_size else
@@ -321,6 +321,8 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     if plan.fsdp_version == 1:
         engine = "FSDP1 (FullyShardedDataParallel)"
         strategy = f"{plan.sharding_strategy}, mesh {' x '.join(map(str, plan.mesh_shape))}"
+        if model.sharding_strategy.name != plan.sharding_strategy:  # torch runs NO_SHARD on a 1-rank shard group
+            strategy = f"{model.sharding_strategy.name} (torch's on 1 rank, for the {strategy} asked)"
     else:
         engine = "FSDP2 (fully_shard)"
         kind = "HSDP (replicate x shard)" if len(plan.mesh_shape) == 2 else "shard"
@@ -343,7 +345,7 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     layers = "each decoder layer" if default_layers else f"each {plan.layer_classes}"
     lines = [
         # The device says what ran: a GPU accelerate config on a machine without CUDA trains on the CPU.
-        f"engine: {engine} over {world} ranks on {device}",
+        f"engine: {engine} over {ranks(world)} on {device}",
         f"wrapped: {plan.wrapped}, then the root",
         f"strategy: {strategy}",
         f"precision: {precision}",

@@ -578,7 +578,7 @@ def test_checkpoint_loads_exactly_into_another_world_size(tiny, references, tmp_
     loader = ["tests/drivers/ckpt_load.py", checkpoint, tmp_path / "loaded.pt",
               *recipe_args(tiny, tmp_path / "x", *engine)]
     proc = run([sys.executable, *loader]) if loaded_by == 1 else torchrun(*loader)
-    assert f"saved by {saved_by} ranks, this run has {loaded_by}: RNG states are not restored" in proc.stdout
+    assert f"saved by {saved_by} rank{'s' * (saved_by > 1)}, this run has {loaded_by}: RNG states are not restored" in proc.stdout
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     saved_model = dcp_contents(checkpoint / "model", tmp_path)
     saved_optim = dcp_contents(checkpoint / "optimizer", tmp_path)
@@ -1506,7 +1506,7 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         f"{checkpoint} was saved by a run with another training config (packing: checkpoint False, now True; seed: "
         f"checkpoint 42, now 1; learning_rate: checkpoint 0.01, now 0.02; weight_decay: checkpoint 0.1, now 0.0; "
         f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 "
-        f"(2 ranks x 4 x 2), now 8 (1 ranks x 4 x 2), kept on 1 ranks by --gradient_accumulation_steps 4 (1 ranks "
+        f"(2 ranks x 4 x 2), now 8 (1 rank x 4 x 2), kept on 1 rank by --gradient_accumulation_steps 4 (1 rank "
         f"x 4 x 4)): a resume continues that run, whose data position and optimizer settings the checkpoint holds, "
         f"so resume with the checkpoint's values, or start a fresh run (without --resume_from_checkpoint)")
     # A world size whose layouts cannot give the checkpoint's 16 sequences, or a batch that does not divide them.
@@ -1517,7 +1517,7 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
     assert training_config_differences(state, dataclasses.replace(cfg, per_device_train_batch_size=3), 1,
                                        "float32") == [
         "global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 (2 ranks "
-        "x 4 x 2), now 12 (1 ranks x 3 x 4), kept on 1 ranks by per_device_train_batch_size x "
+        "x 4 x 2), now 12 (1 rank x 3 x 4), kept on 1 rank by per_device_train_batch_size x "
         "gradient_accumulation_steps = 16"]
     # pure_bf16 keeps master weights and Adam's moments in bf16: the checkpoint's fp32 ones would be rounded.
     with pytest.raises(CheckpointError, match=r"\(master weights and optimizer state \(mixed_precision\): checkpoint "

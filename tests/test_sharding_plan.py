@@ -1,6 +1,8 @@
 """Resolving the sharding plan from the recipe config and accelerate's environment variables, and the errors for
 settings that cannot work. accelerate exports its config as these variables; the tests set them directly."""
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -328,6 +330,19 @@ def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the
                 if hasattr(m, "_checkpoint_wrapped_module")] == [wrapped]
         assert f"  wrapped: 1 x {wrapped}, then the root" in printed
         assert f"  activation checkpointing: {applied_to}" in printed
+
+
+def test_the_plan_prints_the_strategy_fsdp1_runs_on_one_rank(accelerate_env, one_process_group):
+    # FSDP1 runs NO_SHARD on one rank whatever it is asked (torch warns): the plan says what runs, and why.
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        plan = plan_for("--fsdp_version", "1", "--fsdp_sharding_strategy", strategy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            printed = describe_plan(shard_model(tiny_model(), plan, torch.device("cpu")), plan).splitlines()
+        assert printed[0].endswith(" over 1 rank on cpu (gloo)")
+        runs = "NO_SHARD, mesh 1" if strategy == "NO_SHARD" else f"NO_SHARD (torch's on 1 rank, for the {strategy}, " \
+                                                                  "mesh 1 asked)"
+        assert f"  strategy: {runs}" in printed
 
 
 def tiny_model(dtype=torch.float32, **config):

@@ -49,6 +49,8 @@ def test_data_too_small_for_one_step_says_which_key_to_change():
     with pytest.raises(ConfigError, match="^10 examples cannot fill one batch of 8 on each of 2 ranks: lower "
                                           "per_device_train_batch_size or add data$"):
         count_total_steps(config("--per_device_train_batch_size", "8"), examples, world_size=2)
+    with pytest.raises(ConfigError, match="^10 examples cannot fill one batch of 16 on 1 rank: lower "):
+        count_total_steps(config("--per_device_train_batch_size", "16"), examples, world_size=1)
     with pytest.raises(ConfigError, match="^one epoch gives each rank 5 micro-batches, fewer than "
                                           "gradient_accumulation_steps=8: lower it or add data$"):
         count_total_steps(config("--gradient_accumulation_steps", "8"), examples, world_size=2)
