@@ -27,6 +27,9 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
     """The module classes to wrap: the names given, else the model's `_no_split_modules`, else its decoder layers."""
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     if not names:
+        if getattr(getattr(model, "config", None), "num_hidden_layers", None) == 0:
+            raise ConfigError(f"{type(model).__name__}'s config sets num_hidden_layers 0: the model has no decoder "
+                              f"layers to train or shard; check its config.json")
         # A class may declare the layers of its other variants too (Gemma 3's vision tower in a text-only model).
         names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in by_name]
         return tuple(by_name[n] for n in names) if names else (find_decoder_layer_class(model),)
@@ -47,23 +50,24 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
 
 
 def find_decoder_layer_class(model: nn.Module) -> type:
-    """For a model without `_no_split_modules`: the class of the one nn.ModuleList that holds
+    """For a model whose `_no_split_modules` names none of its classes: the class of the one nn.ModuleList that holds
     config.num_hidden_layers modules of a single class (the decoder layers). Prints what it chose."""
     num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    declares = f"declares no _no_split_modules{' it holds' if getattr(model, '_no_split_modules', None) else ''}"
     module_lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     stacks = [(name, m) for name, m in module_lists
               if len(m) == num_layers and len({type(layer) for layer in m}) == 1]
     if len(stacks) == 1:
         name, layers = stacks[0]
         layer_class = type(layers[0])
-        print_rank0(f"wrapping: {type(model).__name__} declares no _no_split_modules; wrapping its decoder layers, "
+        print_rank0(f"wrapping: {type(model).__name__} {declares}; wrapping its decoder layers, "
                     f"{name}: {len(layers)} x {layer_class.__name__} (fsdp_transformer_layer_cls_to_wrap chooses "
                     f"another class)")
         return layer_class
     candidates = sorted({type(layer).__name__ for _, m in module_lists for layer in m})
     candidates = candidates or sorted({type(m).__name__ for m in model.modules()})
     raise ConfigError(
-        f"{type(model).__name__} declares no _no_split_modules and its decoder layers were not found (no single "
+        f"{type(model).__name__} {declares} and its decoder layers were not found (no single "
         f"nn.ModuleList of config.num_hidden_layers={num_layers} modules of one class): set "
         f"fsdp_transformer_layer_cls_to_wrap to its decoder layer class, e.g. one of: {', '.join(candidates)}"
     )

@@ -512,6 +512,19 @@ def test_decoder_layers_found_without_no_split_modules(capsys):
                                           "one of: Block"):
         find_layer_classes(CustomModel(num_hidden_layers=2), None)
     assert find_layer_classes(CustomModel(num_hidden_layers=2), ["Block"]) == (Block,)
+    # _no_split_modules naming none of the model's classes is as good as none, and the line says so.
+    misdeclared = CustomModel(num_hidden_layers=3)
+    misdeclared._no_split_modules = ["DecoderLayer"]
+    assert find_layer_classes(misdeclared, None) == (Block,)
+    assert "wrapping: CustomModel declares no _no_split_modules it holds; wrapping" in capsys.readouterr().out
+
+
+def test_a_model_of_no_decoder_layers_is_refused_as_such():
+    # It said "declares no _no_split_modules" (Llama declares its layer) and offered Embedding or Linear to wrap.
+    config = demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32, intermediate_size=64, num_hidden_layers=0)
+    with pytest.raises(ConfigError, match="^LlamaForCausalLM's config sets num_hidden_layers 0: the model has no "
+                                          "decoder layers to train or shard; check its config.json$"):
+        find_layer_classes(demo.LlamaForCausalLM(config), None)
 
 
 def test_a_family_without_recipe_runs_through_the_generic_path_and_make_new_recipe(data, tmp_path):
