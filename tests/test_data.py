@@ -1209,15 +1209,16 @@ def test_the_log_names_the_columns_no_format_reads(tmp_path, capsys):
     assert "chat.jsonl [train]: 4 examples (chat), 0 longer" in capsys.readouterr().out
 
 
-def test_empty_compressed_parquet_and_csv_files_are_empty(tmp_path):
+def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     """A compressed file of no rows is not 0 bytes (gzip's header alone is 20), nor is a Parquet file of no rows (its
-    schema) or a CSV file of a header alone: alone each is empty, not a parse error ('StopIteration', 'BatchSize
-    must be greater than 0'), and in a folder an empty part file, skipped, as sharded exports (Spark's, Dask's)
-    write them."""
+    schema), a CSV file of a header alone or a JSON file of an empty array: alone each is empty, not a parse error
+    ('StopIteration', 'BatchSize must be greater than 0'), and in a folder an empty part file, skipped, as sharded
+    exports (Spark's, Dask's, pandas' to_json per partition) write them."""
     (tmp_path / "empty.jsonl.gz").write_bytes(gzip.compress(b""))
     datasets.Dataset.from_list(ROWS).select([]).to_parquet(tmp_path / "empty.parquet")
     (tmp_path / "empty.csv").write_text("prompt,completion\n")
-    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv"):
+    (tmp_path / "empty.json").write_text(" [\n]\n")
+    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
@@ -1225,6 +1226,7 @@ def test_empty_compressed_parquet_and_csv_files_are_empty(tmp_path):
     shutil.copy(tmp_path / "empty.jsonl.gz", tmp_path / "parts" / "part-1.jsonl.gz")
     shutil.copy(tmp_path / "empty.parquet", tmp_path / "parts" / "part-2.parquet")
     shutil.copy(tmp_path / "empty.csv", tmp_path / "parts" / "part-3.csv")
+    shutil.copy(tmp_path / "empty.json", tmp_path / "parts" / "part-00.json")  # read first: no schema to join
     train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
     assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
     assert data_sources.folder_summary(str(tmp_path / "parts")) == "train: part-0.jsonl"
