@@ -210,8 +210,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
     def build():
         sources = load_sources(names, config_names, splits, eval_splits,
                                parse_column_mapping(cfg.dataset_column_mapping))
-        for name in names:
-            summary = folder_summary(name)
+        for name, split, eval_split in zip(names, splits, eval_splits):
+            summary = folder_summary(name, split, eval_split)
             if summary:  # which files of a folder were read, and which were taken for no data
                 print_rank0(f"data: {name}: {summary}")
         train_parts, eval_parts = [], []

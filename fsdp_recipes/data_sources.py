@@ -471,13 +471,23 @@ def _not_in_splits(name: str, files: dict[str, list[str]]) -> list[str]:
             if file not in in_splits]
 
 
-def folder_summary(name: str) -> Optional[str]:
+def folder_summary(name: str, split: str, eval_split: Optional[str]) -> Optional[str]:
     """For a folder of data files, the files of each split and the files left out, relative to the folder: what the
-    run reads, for its log ('train: a.jsonl, b.jsonl; left out: LICENSE'). None for anything else."""
+    run reads, for its log ('train: a.jsonl, b.jsonl; left out: LICENSE'). A split neither `split` nor `eval_split`
+    reads is marked so: a folder's validation split is not evaluated on unless eval_split names it. None for
+    anything else."""
     if not _is_files_folder(name):
         return None
     files = _split_files(name)
-    summary = "; ".join(f"{splitname}: {_file_names(name, split_files)}"
+    read = {part.splitname for spec in filter(None, (split, eval_split))
+            for part in _parse_split(name, spec).to_absolute(dict.fromkeys(files, 0))}
+
+    def not_read(splitname: str) -> str:
+        if splitname in read:
+            return ""
+        return " (not read)" if eval_split else f" (not read: eval_split {splitname} evaluates on it)"
+
+    summary = "; ".join(f"{splitname}: {_file_names(name, split_files)}{not_read(splitname)}"
                         for splitname, split_files in _without_empty_parts(files).items())
     left_out = _not_in_splits(name, files)
     return summary + (f"; left out: {_file_names(name, left_out)}" if left_out else "")

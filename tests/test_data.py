@@ -1229,7 +1229,7 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     shutil.copy(tmp_path / "empty.json", tmp_path / "parts" / "part-00.json")  # read first: no schema to join
     train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
     assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
-    assert data_sources.folder_summary(str(tmp_path / "parts")) == "train: part-0.jsonl"
+    assert data_sources.folder_summary(str(tmp_path / "parts"), "train", None) == "train: part-0.jsonl"
 
 
 def test_a_data_folder_joins_parquet_files_of_large_strings_and_lists_with_json_lines(tmp_path):
@@ -2195,6 +2195,20 @@ def test_a_data_folder_may_hold_files_that_are_no_data_beside_its_splits(tmp_pat
     assert datasets.load_dataset(str(tmp_path), split="train").num_rows == len(train)
     splits = "train: train.jsonl; test: test.jsonl" if split_names else "train: data_a.jsonl, data_b.jsonl"
     assert f"data: {tmp_path}: {splits}; left out: LICENSE, LICENSE.md, NOTICE\n" in capsys.readouterr().out
+
+
+def test_the_data_log_marks_the_splits_of_a_folder_that_the_run_does_not_read(tmp_path, capsys):
+    # eval_fraction holds out part of train: the folder's validation split, evaluated by nobody, says so.
+    for split, rows in [("train", ROWS), ("validation", ROWS[:4]), ("test", ROWS[4:6])]:
+        demo.write_jsonl(tmp_path / f"{split}.jsonl", rows)
+    for eval_split, eval_fraction, marks in [
+            (None, 0.1, "train: train.jsonl; validation: validation.jsonl (not read: eval_split validation evaluates "
+                        "on it); test: test.jsonl (not read: eval_split test evaluates on it)"),
+            ("validation", 0.0, "train: train.jsonl; validation: validation.jsonl; test: test.jsonl (not read)"),
+            ("test[:1]+validation", 0.0, "train: train.jsonl; validation: validation.jsonl; test: test.jsonl")]:
+        train, eval_set = build_datasets(cfg(tmp_path, eval_split=eval_split, eval_fraction=eval_fraction), TOKENIZER)
+        assert len(eval_set) == {None: 4, "validation": 4, "test[:1]+validation": 5}[eval_split]
+        assert f"data: {tmp_path}: {marks}\n" in capsys.readouterr().out
 
 
 def test_a_data_folder_of_no_data_files_or_of_an_unread_data_type_is_refused(tmp_path):
