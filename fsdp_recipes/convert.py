@@ -144,7 +144,7 @@ def write_hf_folder(checkpoint: str, state: dict, config: dict, out_dir: str, dt
     for part in (config, config.get("text_config") or {}):  # as export.write_model_files: a multimodal model's too
         part["use_cache"] = True
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as save_pretrained writes it
 
 
 def set_config_dtype_in_json(config: dict, dtype: str) -> None:

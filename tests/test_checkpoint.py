@@ -766,6 +766,13 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
     assert index["metadata"] == {"total_size": sum(t.nbytes for t in tensors)}
     for name in ["config.json", "tokenizer.json", "generation_config.json"]:
         assert (tmp_path / "bf16" / name).is_file() and (tmp_path / "fp32" / name).is_file()
+    # In final/'s dtype (the run's save_dtype float32) and shard size, the folder the run exported at that step, byte
+    # for byte: a diff of the two shows nothing (config.json lacked save_pretrained's closing newline).
+    convert(str(checkpoint), str(tmp_path / "as_final"))
+    final_files = sorted(str(p.relative_to(reference / "final")) for p in (reference / "final").rglob("*"))
+    assert sorted(str(p.relative_to(tmp_path / "as_final")) for p in (tmp_path / "as_final").rglob("*")) == final_files
+    for name in final_files:
+        assert (tmp_path / "as_final" / name).read_bytes() == (reference / "final" / name).read_bytes(), name
     assert "lm_head.weight" not in load_file(tmp_path / "bf16" / "model.safetensors")
 
     # Named chat templates: transformers 5 saves all but the default under additional_chat_templates/. The optimizer
