@@ -561,9 +561,16 @@ def _warn_without_a_config(recipe: str) -> None:
         return
     configs = os.path.join(os.path.dirname(recipe), "configs")
     own = os.path.join(configs, os.path.splitext(os.path.basename(recipe))[0] + ".yaml")
-    choice = f"--config {own}" if os.path.isfile(own) else f"--config with one of {configs}/*.yaml"
+    choice = (f"--config {own}" if os.path.isfile(own) else f"--config with one of {configs}/*.yaml"
+              if os.path.isdir(configs) else
+              # A recipe copied into a folder of its own, its YAML beside it or anywhere: no folder to name.
+              f"--config with your copy of its YAML config (the project's are in {PROJECT_CONFIGS})")
     print(f"warning: no --config: this run takes the built-in defaults of every key it does not set (see --help), "
           f"not a recipe YAML's; pass {choice} for the recipe's settings", flush=True)
+
+
+# The recipes' YAML configs in the clone the package is installed from (an editable install).
+PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "configs")
 
 
 # Keys that do nothing unless another key turns their feature on: what each does, whether it is on, the keys that

@@ -28,7 +28,7 @@ def test_yaml_gives_defaults_and_cli_overrides(tmp_path):
     assert cfg.report_to == "wandb"
 
 
-def test_a_recipe_run_without_a_config_is_warned_of_the_yaml_it_left_out(capsys, monkeypatch):
+def test_a_recipe_run_without_a_config_is_warned_of_the_yaml_it_left_out(capsys, monkeypatch, tmp_path):
     """Without --config a recipe takes the dataclass defaults: Qwen3-MoE's would train without its router loss,
     every family at the built-in learning rate and sequence length. Said once, by rank 0."""
     args = ["--model_name_or_path", "m", "--dataset_name", "d"]
@@ -40,6 +40,10 @@ def test_a_recipe_run_without_a_config_is_warned_of_the_yaml_it_left_out(capsys,
     parse_config(args, recipe="recipes/gemma_sft.py")  # gemma2_sft.yaml and gemma3_sft.yaml: one per generation
     assert capsys.readouterr().out.endswith("pass --config with one of recipes/configs/*.yaml for the recipe's "
                                             "settings\n")
+    # A recipe copied into a folder of its own, without configs/: no folder that does not exist is named.
+    parse_config(args, recipe=str(tmp_path / "my_sft.py"))
+    assert capsys.readouterr().out.endswith(f"pass --config with your copy of its YAML config (the project's are in "
+                                            f"{REPO}/recipes/configs) for the recipe's settings\n")
     cfg = parse_config([*args, "--config", "recipes/configs/qwen3_moe_sft.yaml"], recipe="recipes/qwen3_moe_sft.py")
     assert cfg.router_aux_loss_coef == 0.001 and capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "1")
