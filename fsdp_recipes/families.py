@@ -11,7 +11,7 @@ from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ConfigError, TrainConfig, is_local_path, looked_in
-from .new_recipe import recipe_advice, recipes_training
+from .new_recipe import REPO, generic_recipe, recipe_advice, recipes_training
 
 
 # The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma). eager and flex_attention
@@ -116,9 +116,12 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
 def _recipe_advice(model_type: str, recipe: str) -> str:
     """Where to go for a model type that `recipe` does not train: new_recipe's advice for the recipe's folder (the
     recipe that trains it, there or in this project's recipes/), or else the ways to get a recipe of its own."""
-    return recipe_advice(model_type, os.path.dirname(recipe) or ".") or (
-        f"run the recipe of its family (recipes/), the generic recipes/sft.py, or create one with "
-        f"`make new-recipe MODEL={model_type}`")
+    folder = os.path.dirname(recipe) or "."
+    # A recipe outside the clone's recipes/ (a copy of one's own) gets its sibling written beside it.
+    create = (f"make new-recipe MODEL={model_type}" if os.path.abspath(folder) == os.path.join(REPO, "recipes") else
+              f"python -m fsdp_recipes.new_recipe {model_type} --recipes_dir {folder}")
+    return recipe_advice(model_type, folder) or (
+        f"no recipe trains {model_type} models: run the generic {generic_recipe()}, or create one with `{create}`")
 
 
 def check_causal_lm(config, name: str) -> None:

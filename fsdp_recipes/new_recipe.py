@@ -130,6 +130,14 @@ def listed_model_types(recipes_dir: str) -> list[tuple[str, list]]:
     return found
 
 
+def generic_recipe() -> str:
+    """The project's generic recipe: relative from the clone's root (where the README runs it), absolute from
+    elsewhere (a recipe copied into a folder of its own)."""
+    path = os.path.join(REPO, "recipes", "sft.py")
+    relative = os.path.relpath(path)
+    return path if relative.startswith(os.pardir) else relative
+
+
 def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
     """What to do with a model type that has a recipe or file already: the recipe that lists it in its MODEL_TYPES,
     in recipes_dir or else in this project's recipes/ (for recipes_dir elsewhere), or the recipe or YAML config of
@@ -158,10 +166,10 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
         # e.g. Gemma 1 and gemma_sft.py, which trains Gemma 2 and 3: the family's recipe has the file name.
         return (f"add \"{model_type}\" to MODEL_TYPES in {named} if its YAML config's defaults suit it "
                 f"(`make new-recipe MODEL={model_type}` cannot write that file: it exists), or run the generic "
-                "recipes/sft.py")
+                f"{generic_recipe()}")
     config = os.path.join(recipes_dir, "configs", f"{name}_sft.yaml")
     if os.path.exists(config):  # e.g. a multimodal Gemma 3 (gemma3): gemma3_sft.yaml is Gemma 3 text's config
-        return (f"run the generic recipes/sft.py, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
+        return (f"run the generic {generic_recipe()}, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
                 f"YAML config is {config} (`make new-recipe MODEL={model_type}` cannot write that file: it exists)")
     return None
 

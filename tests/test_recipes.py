@@ -372,7 +372,7 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path, capsys):
         assert re.search(f"^error: {message}", proc.stderr, re.MULTILINE), proc.stderr
 
 
-def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_model(tmp_path):
+def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_model(tmp_path, monkeypatch):
     def check(model_dir, recipe, model_types):
         args = ["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
         check_model_type(parse_config(args), model_types, str(REPO / "recipes" / recipe))
@@ -406,6 +406,18 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f"{REPO}/recipes/configs$"):
         check_model_type(parse_config(["--model_name_or_path", str(qwen2), "--dataset_name", "d"]), {"llama": None},
                          str(tmp_path / "mine" / "my_sft.py"))
+    # A model type no recipe trains: the generic recipe, and how to write one beside the recipe that was run (a copy
+    # outside the clone, run from its own folder: no recipes/ there, and no Makefile).
+    AutoConfig.for_model("olmo2", **TINY).save_pretrained(tmp_path / "olmo2")
+    with pytest.raises(ConfigError, match="is a olmo2 model: no recipe trains olmo2 models: run the generic "
+                                          "recipes/sft.py, or create one with `make new-recipe MODEL=olmo2`$"):
+        check(tmp_path / "olmo2", "llama_sft.py", {"llama": None})
+    monkeypatch.chdir(tmp_path / "mine")
+    with pytest.raises(ConfigError, match=f"is a olmo2 model: no recipe trains olmo2 models: run the generic "
+                                          f"{REPO}/recipes/sft.py, or create one with `python -m "
+                                          f"fsdp_recipes.new_recipe olmo2 --recipes_dir {tmp_path}/mine`$"):
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "olmo2"), "--dataset_name", "d"]),
+                         {"llama": None}, str(tmp_path / "mine" / "my_sft.py"))
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
     AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
