@@ -287,7 +287,7 @@ class TrainConfig:
                               f"checkpoint every N steps and at the end), got {self.save_steps}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError(f"save_total_limit must be at least 1 or unset, got {self.save_total_limit}")
-        unused = [k for k in ("save_total_limit", "save_state_dict_type") if getattr(self, k) is not None]
+        unused = [k for k in CHECKPOINT_KEYS if getattr(self, k) is not None]
         if unused and not self.save_steps:
             raise ConfigError(f"{' and '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to checkpoints, "
                               f"which save_steps 0 turns off (only final/ is saved): set save_steps N to save one "
@@ -363,6 +363,8 @@ def looked_in(path: str) -> str:
     return "" if os.path.isabs(os.path.expanduser(path)) else f" in {os.getcwd()}"
 
 
+# The keys that apply to checkpoints alone, which save_steps 0 turns off.
+CHECKPOINT_KEYS = ("save_total_limit", "save_state_dict_type")
 # The TrainConfig keys that are set on the model's config (the MoE router loss), where None keeps config.json's value.
 ROUTER_LOSS_KEYS = ("output_router_logits", "router_aux_loss_coef")
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -546,8 +548,12 @@ def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None)
     if remaining:
         raise ConfigError(f"unexpected command-line arguments {remaining}: pass options as --key value")
     values = {**{k: v for k, v in vars(namespace).items() if k in field_names}, **nulls}
-    cfg = TrainConfig(**values)
     given = {arg[2:].partition("=")[0].replace("-", "_") for arg in rest if arg.startswith("--")}
+    if "save_steps" in given and not values["save_steps"]:
+        # --save_steps 0 turns checkpoints off as --report_to none turns W&B off: the YAML's keys for them do not
+        # apply, and are dropped (TrainConfig refuses them set without checkpoints); the command line's still are.
+        values.update({key: None for key in CHECKPOINT_KEYS if key not in given})
+    cfg = TrainConfig(**values)
     # The values as given (__post_init__ fills some defaults in: per_device_eval_batch_size); null is left unset.
     set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
     check_keys_take_effect(cfg, set_keys, given | set(nulls))

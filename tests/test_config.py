@@ -70,6 +70,21 @@ def test_the_command_line_sets_a_key_back_to_null(tmp_path):
         parse_config(["--config", cfg_file, "--max_steps", "null"])
 
 
+def test_save_steps_0_on_the_command_line_drops_the_yamls_checkpoint_keys(tmp_path):
+    """As --report_to none over a YAML that logs to W&B: a smoke test without checkpoints from a YAML that saves."""
+    cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nsave_steps: 500\nsave_total_limit: 2\n"
+                                    "save_state_dict_type: full\n")
+    cfg = parse_config(["--config", cfg_file, "--save_steps", "0"])
+    assert (cfg.save_steps, cfg.save_total_limit, cfg.save_state_dict_type) == (0, None, None)
+    assert parse_config(["--config", cfg_file, "--save-steps=0"]).save_total_limit is None
+    # Set on the same command line, a key for checkpoints is still refused, as in the YAML beside save_steps 0.
+    with pytest.raises(ConfigError, match="^save_total_limit applies to checkpoints, which save_steps 0 turns off"):
+        parse_config(["--config", cfg_file, "--save_steps", "0", "--save_total_limit", "3"])
+    with pytest.raises(ConfigError, match="^save_total_limit and save_state_dict_type apply to checkpoints"):
+        parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nsave_total_limit: 2"
+                                                       "\nsave_state_dict_type: full\n")])
+
+
 def test_unknown_yaml_key_is_named(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nlearning_rat: 1e-4\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'learning_rat' in .*recipe.yaml.*'learning_rate'"):
