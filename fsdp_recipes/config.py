@@ -435,7 +435,9 @@ def _describe(annotation) -> str:
 def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys.")
+    return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys "
+                       f"(a key of your own: declare it in a subclass of TrainConfig, passed to parse_config as "
+                       f"config_class).")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -479,8 +481,8 @@ def _raise_config_error(source: str):
     return error
 
 
-def _read_yaml(path: str, parser: HfArgumentParser) -> dict:
-    field_names = [f.name for f in dataclasses.fields(TrainConfig)]
+def _read_yaml(path: str, parser: HfArgumentParser, config_class: type[TrainConfig]) -> dict:
+    field_names = [f.name for f in dataclasses.fields(config_class)]
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
             values = yaml.load(f, Loader=_UniqueKeyLoader) or {}
@@ -509,14 +511,21 @@ def _read_yaml(path: str, parser: HfArgumentParser) -> dict:
             try:
                 values[key] = convert(value)
             except (ValueError, TypeError, argparse.ArgumentTypeError):
-                raise ConfigError(f"{key} in {path} must be {_describe(typing.get_type_hints(TrainConfig)[key])}, "
+                raise ConfigError(f"{key} in {path} must be {_describe(typing.get_type_hints(config_class)[key])}, "
                                   f"got {value!r}") from None
     return values
 
 
-def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None) -> TrainConfig:
+def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None,
+                 config_class: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field. `recipe`, the
-    running recipe's file: a run without --config is warned that its YAML configs were left out."""
+    running recipe's file: a run without --config is warned that its YAML configs were left out. `config_class`: a
+    dataclass subclass of TrainConfig, for a recipe's keys of its own."""
+    if not (isinstance(config_class, type) and issubclass(config_class, TrainConfig)):
+        raise TypeError(f"config_class must be a subclass of TrainConfig, got {config_class!r}")
+    if "__dataclass_fields__" not in vars(config_class):  # without @dataclass, its keys would be no fields
+        raise TypeError(f"config_class {config_class.__name__} must be decorated with @dataclass: its keys are its "
+                        f"fields")
     argv = sys.argv[1:] if argv is None else argv
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.error = _raise_config_error("the command line")
@@ -529,17 +538,17 @@ def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None)
         _warn_without_a_config(recipe)
 
     # No abbreviations: --max_step must not silently mean --max_steps.
-    parser = HfArgumentParser(TrainConfig, allow_abbrev=False)
+    parser = HfArgumentParser(config_class, allow_abbrev=False)
     parser.error = _raise_config_error("the command line")
     parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
     for action in parser._actions:
         if action.type is int:
             action.type = integer
-    field_names = [f.name for f in dataclasses.fields(TrainConfig)]
-    yaml_values = _read_yaml(known.config[0], parser) if known.config else {}
+    field_names = [f.name for f in dataclasses.fields(config_class)]
+    yaml_values = _read_yaml(known.config[0], parser, config_class) if known.config else {}
     parser.set_defaults(**yaml_values)
 
-    rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(TrainConfig).items()
+    rest, nulls = _take_nulls(rest, {name for name, hint in typing.get_type_hints(config_class).items()
                                      if type(None) in typing.get_args(hint)})
     namespace, remaining = parser.parse_known_args(rest)
     for arg in remaining:
@@ -553,7 +562,7 @@ def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None)
         # --save_steps 0 turns checkpoints off as --report_to none turns W&B off: the YAML's keys for them do not
         # apply, and are dropped (TrainConfig refuses them set without checkpoints); the command line's still are.
         values.update({key: None for key in CHECKPOINT_KEYS if key not in given})
-    cfg = TrainConfig(**values)
+    cfg = config_class(**values)
     # The values as given (__post_init__ fills some defaults in: per_device_eval_batch_size); null is left unset.
     set_keys = {key for key in set(yaml_values) | given if values.get(key) is not None}
     check_keys_take_effect(cfg, set_keys, given | set(nulls))

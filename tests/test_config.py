@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 import re
 import sys
+from typing import Optional
 
 import pytest
 
@@ -83,6 +84,33 @@ def test_save_steps_0_on_the_command_line_drops_the_yamls_checkpoint_keys(tmp_pa
     with pytest.raises(ConfigError, match="^save_total_limit and save_state_dict_type apply to checkpoints"):
         parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nsave_total_limit: 2"
                                                        "\nsave_state_dict_type: full\n")])
+
+
+@dataclasses.dataclass
+class OwnKeys(TrainConfig):
+    """A copied recipe's keys of its own, beside every TrainConfig key."""
+    min_answer_chars: int = 0
+    reviewer: Optional[str] = None
+
+
+def test_a_recipes_own_keys_are_read_checked_and_overridden_like_the_others(tmp_path):
+    cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nmin_answer_chars: 5\nreviewer: ann\n")
+    cfg = parse_config(["--config", cfg_file, "--min_answer_chars", "7", "--reviewer", "null"], config_class=OwnKeys)
+    assert (type(cfg), cfg.min_answer_chars, cfg.reviewer, cfg.model_name_or_path) == (OwnKeys, 7, None, "m")
+    assert cfg.to_dict()["min_answer_chars"] == 7  # as a checkpoint's trainer_state.json records the config
+    with pytest.raises(ConfigError, match=r"^min_answer_chars in .*recipe.yaml must be an integer, got 'five'$"):
+        parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\n"
+                                                       "min_answer_chars: five\n")], config_class=OwnKeys)
+    # Without it, the key is unknown, and the error says where to declare it.
+    with pytest.raises(ConfigError, match=r"unknown config key 'min_answer_chars' in .*recipe.yaml\. Run the recipe "
+                                          r"with --help to list the keys \(a key of your own: declare it in a "
+                                          r"subclass of TrainConfig, passed to parse_config as config_class\)\.$"):
+        parse_config(["--config", cfg_file])
+
+    class Undecorated(TrainConfig):  # its annotation alone makes no field
+        min_answer_chars: int = 0
+    with pytest.raises(TypeError, match="^config_class Undecorated must be decorated with @dataclass"):
+        parse_config(["--config", cfg_file], config_class=Undecorated)
 
 
 def test_unknown_yaml_key_is_named(tmp_path):
