@@ -579,7 +579,8 @@ def _warn_without_a_config(recipe: str) -> None:
     choice = (f"--config {own}" if os.path.isfile(own) else f"--config with one of {configs}/*.yaml"
               if os.path.isdir(configs) else
               # A recipe copied into a folder of its own, its YAML beside it or anywhere: no folder to name.
-              f"--config with your copy of its YAML config (the project's are in {PROJECT_CONFIGS})")
+              "--config with your copy of its YAML config"
+              + (f" (the project's are in {PROJECT_CONFIGS})" if os.path.isdir(PROJECT_CONFIGS) else ""))
     print(f"warning: no --config: this run takes the built-in defaults of every key it does not set (see --help), "
           f"not a recipe YAML's; pass {choice} for the recipe's settings", flush=True)
 

@@ -132,8 +132,10 @@ def listed_model_types(recipes_dir: str) -> list[tuple[str, list]]:
 
 def generic_recipe() -> str:
     """The project's generic recipe: relative from the clone's root (where the README runs it), absolute from
-    elsewhere (a recipe copied into a folder of its own)."""
+    elsewhere (a recipe copied into a folder of its own); with a package installed without its clone, its name."""
     path = os.path.join(REPO, "recipes", "sft.py")
+    if not os.path.isfile(path):
+        return "recipes/sft.py (in a clone of the project)"
     relative = os.path.relpath(path)
     return path if relative.startswith(os.pardir) else relative
 

@@ -35,6 +35,7 @@ from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.export import tied_parameter_names
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
+from fsdp_recipes import new_recipe as new_recipe_module
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, new_recipe, split_recipe, sync_recipes
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
@@ -418,6 +419,8 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f"fsdp_recipes.new_recipe olmo2 --recipes_dir {tmp_path}/mine`$"):
         check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "olmo2"), "--dataset_name", "d"]),
                          {"llama": None}, str(tmp_path / "mine" / "my_sft.py"))
+    monkeypatch.setattr(new_recipe_module, "REPO", str(tmp_path / "site-packages"))  # pip install . : no clone
+    assert new_recipe_module.generic_recipe() == "recipes/sft.py (in a clone of the project)"
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
     AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
