@@ -432,12 +432,23 @@ def _describe(annotation) -> str:
     return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string"}[annotation]
 
 
+# transformers.TrainingArguments' (and TRL's) names for what this config names otherwise: a Hugging Face user's
+# YAML holds them, and difflib finds no key near bf16.
+TRAINING_ARGUMENTS_NAMES = {
+    "bf16": "mixed_precision: bf16", "fp16": "mixed_precision (bf16, no or pure_bf16; fp16 is not offered)",
+    "gradient_checkpointing": "fsdp_activation_checkpointing: true", "warmup_ratio": "warmup_steps: <fraction>",
+    "eval_strategy": "eval_steps: N", "evaluation_strategy": "eval_steps: N", "save_strategy": "save_steps: N",
+    "max_length": "max_seq_length", "torch_dtype": "save_dtype (the export's; training is set by mixed_precision)",
+}
+
+
 def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, known, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys "
-                       f"(a key of your own: declare it in a subclass of TrainConfig, passed to parse_config as "
-                       f"config_class).")
+    hint = (f" TrainingArguments' {key} is {TRAINING_ARGUMENTS_NAMES[key]} here." if key in TRAINING_ARGUMENTS_NAMES
+            else f" Did you mean '{close[0]}'?" if close else
+            " (A key of your own: declare it in a @dataclass subclass of TrainConfig, passed to parse_config as "
+            "config_class.)")
+    return ConfigError(f"unknown config key '{key}' in {source}.{hint} Run the recipe with --help to list the keys.")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -109,9 +109,10 @@ def test_a_recipes_own_keys_are_read_checked_and_overridden_like_the_others(tmp_
         parse_config(["--config", write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\n"
                                                        "min_answer_chars: five\n")], config_class=OwnKeys)
     # Without it, the key is unknown, and the error says where to declare it.
-    with pytest.raises(ConfigError, match=r"unknown config key 'min_answer_chars' in .*recipe.yaml\. Run the recipe "
-                                          r"with --help to list the keys \(a key of your own: declare it in a "
-                                          r"subclass of TrainConfig, passed to parse_config as config_class\)\.$"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'min_answer_chars' in .*recipe.yaml\. \(A key of your "
+                                          r"own: declare it in a @dataclass subclass of TrainConfig, passed to "
+                                          r"parse_config as config_class\.\) Run the recipe with --help to list the "
+                                          r"keys\.$"):
         parse_config(["--config", cfg_file])
 
     class Undecorated(TrainConfig):  # its annotation alone makes no field
@@ -124,6 +125,19 @@ def test_unknown_yaml_key_is_named(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nlearning_rat: 1e-4\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'learning_rat' in .*recipe.yaml.*'learning_rate'"):
         parse_config(["--config", cfg_file])
+
+
+def test_a_training_arguments_name_that_differs_here_is_named_with_this_configs_key(tmp_path):
+    # "Names follow TrainingArguments" where the concept is the same; bf16 is mixed_precision here, and no key is
+    # near enough for difflib to offer it.
+    cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nbf16: true\n")
+    with pytest.raises(ConfigError, match=r"^unknown config key 'bf16' in .*recipe.yaml\. TrainingArguments' bf16 is "
+                                          r"mixed_precision: bf16 here\. Run the recipe with --help"):
+        parse_config(["--config", cfg_file])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'gradient_checkpointing' in the command line\. "
+                                          r"TrainingArguments' gradient_checkpointing is "
+                                          r"fsdp_activation_checkpointing: true here\."):
+        parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_checkpointing", "true"])
 
 
 def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch):
