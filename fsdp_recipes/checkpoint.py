@@ -1,4 +1,5 @@
-"""Training checkpoints: save, validate, resume, `latest` and retention.
+"""Training checkpoints: save, validate, load, `latest` and retention (resume.py decides whether a run resumes from
+one, output_dir.py keeps runs apart).
 
 A checkpoint is a folder `<output_dir>/checkpoint-<step>`:
 - `model/`: the model, with `torch.distributed.checkpoint` (each rank writes its shards) when the format is
@@ -18,8 +19,6 @@ checkpoint complete and `latest` pointing at it.
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
 import functools
 import hashlib
 import json
@@ -27,9 +26,7 @@ import os
 import pickle
 import random
 import re
-import secrets
 import shutil
-import socket
 from typing import Callable, Optional
 
 import numpy as np
@@ -50,17 +47,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
-from transformers import AutoTokenizer
 
-from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, looked_in
-from .data_formats import DEFAULT_CHAT_TEMPLATE
+from .config import ConfigError, TrainConfig, looked_in
 from .distributed import long_wait_group, print_rank0, ranks, run_on_rank0
 from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
                      tied_parameter_names, write_gathered_weights, write_model_files)
-from .metrics import saved_wandb_run
 from .plan import STATE_DICT_TYPES, TRUE, env_enum
 from .progress import print_line
-from .schedule import count_total_steps
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
 
 STATE_NAME = "trainer_state.json"
@@ -68,26 +61,7 @@ LATEST_NAME = "latest"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 # What a save writes: the checkpoint, and while it is written or replaced its .tmp and .old folders. Only these are
 # removed (retention, overwrite_output_dir): a user's own checkpoint-best/ stays.
-_SAVE_RE = re.compile(r"^checkpoint-\d+(\.tmp|\.old)?$")
-# Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
-# config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
-_RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
-                        *ROUTER_LOSS_KEYS}
-# Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
-# points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
-# back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
-# The batch layout is compared as the global batch size (see training_config_differences). max_steps and
-# num_train_epochs may change (a run is extended): the scheduler then follows the new total from the resumed step;
-# resolve_resume refuses a total the checkpoint has already reached.
-_RESUME_KEYS = (
-    "dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
-    "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
-    "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
-    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "output_router_logits", "router_aux_loss_coef",
-)
-# What a run writes into output_dir; --overwrite_output_dir removes these (and the folders _SAVE_RE matches).
-_RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "metrics.jsonl.tmp",
-                "samples.jsonl")
+SAVE_RE = re.compile(r"^checkpoint-\d+(\.tmp|\.old)?$")
 
 
 class CheckpointError(ConfigError):
@@ -171,208 +145,6 @@ def previous_run(output_dir: str) -> list[str]:
     """The checkpoint-<step> folders, `latest` and final/ of an earlier run in `output_dir`."""
     found = [f"checkpoint-{step}" for step in checkpoint_steps(output_dir)]
     return found + [name for name in (LATEST_NAME, "final") if os.path.exists(os.path.join(output_dir, name))]
-
-
-def check_shared_output_dir(out: str) -> None:
-    """Rank 0 creates `out` and writes a random token into it, which every rank must read back: with per-node disks
-    (or a stale view of a network file system) the ranks would resolve `latest` to different checkpoints, and a save
-    would fail once rank 0 has renamed what the others wrote. An output_dir rank 0 cannot write, or one another run
-    holds (lock_output_dir), fails here too, not after the data and the model are loaded. Every rank calls this;
-    every rank raises the same error."""
-    sent: list[tuple[Optional[str], Optional[str]]] = [(None, None)]  # rank 0's token, or why it wrote none
-    if dist.get_rank() == 0 and os.path.exists(out) and not os.path.isdir(out):
-        # makedirs' "File exists" would read as the permission or file-system problem of the message below.
-        sent[0] = (None, f"output_dir {out} is a file, not a folder: choose another output_dir")
-    elif dist.get_rank() == 0:
-        try:
-            os.makedirs(out, exist_ok=True)
-            in_use = lock_output_dir(out)
-            if in_use:
-                sent[0] = (None, in_use)
-            else:
-                token = secrets.token_hex(16)
-                # A new name each run: no cached lookup of an earlier run's file (network file systems) can answer.
-                with open(os.path.join(out, f".shared_check_{token}"), "w") as f:
-                    f.write(token)
-                sent[0] = (token, None)
-        except OSError as error:
-            sent[0] = (None, f"output_dir {out} cannot be created or written ({type(error).__name__}: {error}): "
-                             f"choose an output_dir this user can write, on a file system that every rank sees")
-    dist.broadcast_object_list(sent, src=0)
-    token, failure = sent[0]
-    if failure:
-        raise ConfigError(failure)
-    marker = os.path.join(out, f".shared_check_{token}")
-    try:
-        with open(marker) as f:
-            seen = None if f.read() == token else "other content in the file rank 0 wrote"
-    except OSError as error:
-        seen = f"no file where rank 0 wrote one ({type(error).__name__})"
-    everyone: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, seen)
-    if dist.get_rank() == 0:
-        os.remove(marker)  # every rank has read it: the gather above waited for them all
-    dist.barrier()  # and no rank goes on before it is gone
-    differ = [(rank, what) for rank, what in enumerate(everyone) if what]
-    if differ:
-        rank, what = differ[0]
-        raise ConfigError(f"output_dir {out} is not on a file system that every rank sees (rank {rank} finds {what}): "
-                          f"put it on a shared file system")
-
-
-_LOCK_NAME = ".run.lock"
-_held_locks: dict[str, int] = {}  # real path of an output_dir -> the open lock file this process holds in it
-
-
-def _close_inherited_locks() -> None:
-    """In a forked child (a DataLoader worker, a datasets.map process): its copy of the lock file would hold the
-    lock after rank 0 ends, until the child notices, and a resume started at once would be refused. Close, never
-    unlock: the lock belongs to the open file that rank 0 shares with it."""
-    for fd in _held_locks.values():
-        os.close(fd)
-    _held_locks.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def lock_output_dir(out: str) -> Optional[str]:
-    """Rank 0 holds an exclusive lock on `<out>/.run.lock` until its process ends (the kernel releases it then, kill
-    -9 included): two runs started into one output_dir would both pass prepare_output_dir, then overwrite each
-    other's checkpoints, remove each other's unfinished saves and interleave metrics.jsonl. Returns why `out` is in
-    use, or None once this process holds the lock."""
-    real = os.path.realpath(out)
-    if real in _held_locks:
-        return None
-    fd = os.open(os.path.join(out, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").strip() or "a process"
-        os.close(fd)
-        return (f"output_dir {out} is in use by another run ({holder} holds {os.path.join(out, _LOCK_NAME)}): the "
-                f"two would overwrite each other's checkpoints. Wait for it to end (or stop it), or choose another "
-                f"output_dir")
-    except OSError as error:  # a file system without locks (Lustre mounted without -o flock, NFS without lockd)
-        os.close(fd)
-        print_line(f"warning: output_dir {out} cannot be locked ({type(error).__name__}: {error}): a second run "
-                   f"started into it would not be noticed")
-        return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
-    _held_locks[real] = fd
-    return None
-
-
-def prepare_output_dir(cfg: TrainConfig) -> None:
-    """Every rank calls this before loading anything. It checks that every rank sees the same output_dir (see
-    check_shared_output_dir). A fresh run (or a resume from a checkpoint elsewhere) into an output_dir that holds
-    an earlier run's checkpoints or final/ is refused: it would overwrite them, and its checkpoints would mix with
-    them (retention keeps the highest steps, whichever run wrote them). With overwrite_output_dir, it checks that
-    the run reads nothing from them, and remove_earlier_run removes them once the data, the schedule, the model and
-    the checkpoint to resume from (if any) are known to work. A resume logging to W&B must log to the project of
-    the checkpoint's W&B run (check_wandb_project)."""
-    resume, out = cfg.resume_from_checkpoint, cfg.output_dir
-    check_shared_output_dir(out)
-    if resume and resume != "auto":  # before anything is removed, and before the advice below assumes it is one
-        check_checkpoint_folder(resume, resuming=True, output_dir=out)
-    # Real paths: an output_dir reached through a symlink holds the same checkpoints as its target.
-    inside = resume and (resume == "auto" or os.path.realpath(resume).startswith(os.path.realpath(out) + os.sep))
-    if cfg.overwrite_output_dir and inside:
-        raise ConfigError(f"overwrite_output_dir true removes the checkpoints in {out}, and resume_from_checkpoint "
-                          f"{resume} resumes from one of them: pass only one of the two")
-    check_wandb_project(cfg)  # before anything is removed
-    if cfg.overwrite_output_dir:
-        check_inputs_outside(cfg, earlier_run_outputs(out))
-        return
-    previous = previous_run(out)
-    if not previous or (inside and resume != "auto") or (resume == "auto" and LATEST_NAME in previous):
-        return  # nothing to overwrite, or the run resumes from its own output_dir
-    start_over = "--overwrite_output_dir true to remove them and start over, or another output_dir"
-    if resume and resume != "auto":
-        raise ConfigError(f"{out} holds {', '.join(previous)} of another run than {resume}'s, which this run would "
-                          f"overwrite or mix with its own: pass {start_over}")
-    if resume != "auto" and LATEST_NAME in previous:
-        raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
-                          f"or mix with its own: pass --resume_from_checkpoint auto (or a checkpoint folder) to "
-                          f"continue that run, {start_over}")
-    # Without `latest` (removed, a kill between the first rename and `latest`, checkpoints copied without it), `auto`
-    # cannot continue: which checkpoint to continue is the user's choice, not a guess.
-    steps = checkpoint_steps(out)
-    # Without checkpoints, previous holds final/ alone: a run without save_steps, whose weights are all there is.
-    resume_one = (f"pass --resume_from_checkpoint {os.path.join(out, f'checkpoint-{steps[-1]}')} (the newest) or "
-                  f"another of them to continue, " if steps else
-                  f"to train its final/ further, start a run with --model_name_or_path {os.path.join(out, 'final')} "
-                  f"and another output_dir, or pass ")
-    if resume != "auto":
-        raise ConfigError(f"{out} holds {', '.join(previous)} of an earlier run, which this fresh run would overwrite "
-                          f"or mix with its own, and no `latest` file naming a checkpoint to resume: {resume_one}"
-                          f"{start_over}")
-    raise ConfigError(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint to resume, but "
-                      f"holds {', '.join(previous)} of an earlier run: {resume_one}{start_over}")
-
-
-def earlier_run_outputs(output_dir: str) -> list[str]:
-    """The paths of what a run writes in `output_dir` (_RUN_OUTPUTS, _SAVE_RE); not others, such as a wandb folder."""
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    return [os.path.join(output_dir, name) for name in sorted(names) if name in _RUN_OUTPUTS or _SAVE_RE.match(name)]
-
-
-def remove_earlier_run(cfg: TrainConfig) -> None:
-    """With overwrite_output_dir, rank 0 removes the earlier run's outputs (prepare_output_dir has checked that this
-    run reads nothing from them); every rank calls this, and none goes on while rank 0 removes (several 70B
-    checkpoints can take long on a network file system)."""
-    if not cfg.overwrite_output_dir:
-        return
-
-    def remove():
-        for path in earlier_run_outputs(cfg.output_dir):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-
-    run_on_rank0(remove, f"to remove the earlier run in {cfg.output_dir}")
-
-
-def check_wandb_project(cfg: TrainConfig) -> None:
-    """A resume that logs to W&B continues the W&B run of its checkpoint, which lives in one project: its id in
-    another project (the default one, for a resume without the first run's --wandb_project) would start a second
-    run there, each with part of the history. Every rank calls this, and reads the checkpoint `latest` names as
-    rank 0 does."""
-    resume = cfg.resume_from_checkpoint
-    if cfg.report_to != "wandb" or not resume:
-        return
-    path = latest_checkpoint(cfg.output_dir) if resume == "auto" else resume
-    if path is None:
-        return  # auto, and no checkpoint yet: a fresh run
-    try:
-        saved = saved_wandb_run(path)
-    except (OSError, ValueError):  # unreadable: validate_checkpoint says so before the resume
-        return
-    # No run id: the checkpoint's run did not log to W&B, and this one starts a W&B run of its own.
-    if saved["wandb_run_id"] and saved["wandb_project"] != cfg.wandb_project:
-        raise ConfigError(f"{path} continues W&B run {saved['wandb_run_id']} of project {saved['wandb_project']}: "
-                          f"pass --wandb_project {saved['wandb_project']}")
-
-
-def check_inputs_outside(cfg: TrainConfig, removed: list[str]) -> None:
-    """The model, tokenizer and data this run reads must not lie in what overwrite_output_dir removes (e.g. the
-    earlier run's final/ as the model to fine-tune further): they would be gone before the run reads them. A path
-    is compared as written and, in a removed folder, resolved; a removed symlink takes only itself."""
-    within = lambda path, folder: os.path.commonpath([path, folder]) == folder
-    inputs = [("model_name_or_path", cfg.model_name_or_path), ("tokenizer_name_or_path", cfg.tokenizer_name_or_path)]
-    inputs += [("dataset_name", name.strip()) for name in (cfg.dataset_name or "").split(",")]
-    for key, value in inputs:
-        written = os.path.abspath(os.path.expanduser(value)) if value else ""
-        if not written or not os.path.exists(written):
-            continue  # a Hub id
-        for path in removed:
-            if within(written, os.path.abspath(path)) or (
-                    not os.path.islink(path) and within(os.path.realpath(written), os.path.realpath(path))):
-                raise ConfigError(f"{key} {value} is in {path}, which overwrite_output_dir true removes before this "
-                                  f"run reads it: move it out of {cfg.output_dir}, or write this run to another "
-                                  f"output_dir")
 
 
 def check_checkpoint_folder(path: str, resuming: bool = False, output_dir: Optional[str] = None) -> None:
@@ -493,112 +265,6 @@ def safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset) -> Optional[str]:
-    """The checkpoint to resume from, validated against `model`, the tokenizer and the run's training config and
-    length; None to start from scratch.
-
-    `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
-    Nothing is deleted here, and nothing written but for the rename that puts back a checkpoint a killed re-save
-    left as .old (restore_replaced_checkpoint).
-    """
-    path = cfg.resume_from_checkpoint
-    if not path:
-        return None
-    if path == "auto":
-        path = latest_checkpoint(cfg.output_dir)
-        if path is None:
-            print_rank0(f"resume: no checkpoint in {cfg.output_dir} yet, starting from step 0")
-            return None
-    state = validate_checkpoint(path)
-    # Through the model's own config class, so that defaults not written to config.json compare equal.
-    saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
-    differ = model_config_differences(saved, model.config.to_dict())
-    if differ:
-        raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
-    # The router-loss settings as each run trained with them: unset in the recipe config means config.json's value
-    # (the checkpoint's config.json keeps the model's own, see export.write_model_files).
-    trained = {k: saved.get(k) for k in ROUTER_LOSS_KEYS if k in state["config"] and state["config"][k] is None}
-    recorded = {**state, "config": {**state["config"], **trained}, "master_dtype": saved_master_dtype(path, state)}
-    now = dataclasses.replace(cfg, **{k: getattr(model.config, k, None) for k in ROUTER_LOSS_KEYS})
-    differ = training_config_differences(recorded, now, dist.get_world_size(), master_dtype(model))
-    if differ:
-        raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
-                              f"resume continues that run, whose data position and optimizer settings the checkpoint "
-                              f"holds, so resume with the checkpoint's values, or start a fresh run (without "
-                              f"--resume_from_checkpoint)")
-    # The same examples as other tokens would make the data position point at other data.
-    differ = tokenizer_differences(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code),
-                                   tokenizer)
-    if differ:
-        raise CheckpointError(f"{path} was saved with another tokenizer (its {', '.join(differ)} differ): resume "
-                              f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or start a fresh "
-                              f"run")
-    # The same dataset_name with other content (a file edited or replaced in place): the data position would
-    # point at other examples.
-    differ = training_data_differences(state, train_dataset)
-    if differ:
-        raise CheckpointError(f"{path} was saved by a run whose training data differ from this run's "
-                              f"{cfg.dataset_name} ({differ}): a resume continues at step {state['step']} of that "
-                              f"data's order, so resume with the data the checkpoint was trained on, or start a "
-                              f"fresh run (without --resume_from_checkpoint)")
-    total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
-    # The checkpoint's own run's length: the same data and global batch (compared above), its max_steps and epochs.
-    saved_length = {k: state["config"].get(k, getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
-    saved_total = count_total_steps(dataclasses.replace(cfg, **saved_length), train_dataset, dist.get_world_size())
-    if saved_total != total_steps:
-        changed = ", ".join(f"{k} {saved_length[k]} -> {getattr(cfg, k)}" for k in saved_length
-                            if saved_length[k] != getattr(cfg, k))
-        print_rank0(f"resume: the run's length changes from {saved_total} to {total_steps} steps ({changed}): the LR "
-                    f"schedule (and a warm-up given as a fraction of the run) follows the new total from step "
-                    f"{state['step']}")
-    final = os.path.join(cfg.output_dir, "final")
-    # At its run's last step (the same length), a run that failed after its last save (in the final evaluation or the
-    # export) is finished; one that has its final/ (here or beside the checkpoint) is not done again, nor is a
-    # checkpoint of a longer or shorter run taken for an end.
-    # output_dir's final/ is an earlier run's where overwrite_output_dir removes it before this run trains.
-    ours = () if cfg.overwrite_output_dir else (final,)
-    folders = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
-    exported = [f for f in folders if export_of(f, path)]
-    at_end = state["step"] == total_steps
-    if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
-        why = (f", and {exported[0]} holds its export" if at_end and exported
-               else ", where the checkpoint's run, of another length, did not end" if at_end else "")
-        raise CheckpointError(
-            f"{path} is at step {state['step']} and this run has {total_steps} steps (max_steps, or num_train_epochs "
-            f"when max_steps is -1){why}: nothing is left to train; raise max_steps or num_train_epochs to extend "
-            f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
-            f"<out_dir>`")
-    if at_end:
-        found = (f"{final} holds an earlier export, older than the checkpoint (this run's export replaces it)"
-                 if final in folders else f"{final} does not exist")
-        print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
-                    f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
-    return path
-
-
-def export_of(final: str, checkpoint: str) -> bool:
-    """Whether the folder `final` is the export of `checkpoint`: a run exports after its last save, so its final/ is
-    the newer. The final/ of an earlier segment of the run (before max_steps was raised) is older than the checkpoint
-    of the extended run's last step, which a kill in that run's export (or a SIGTERM in its last step) leaves
-    without its own."""
-    return os.path.getmtime(final) >= os.path.getmtime(os.path.join(checkpoint, STATE_NAME))
-
-
-def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """'key: checkpoint <value>, model <value>' for each entry that differs, sub-configs (a multimodal model's
-    text_config) entry by entry, with the runtime entries left out at every level."""
-    differ = []
-    for key in sorted(set(saved) | set(current)):
-        ours, theirs = saved.get(key), current.get(key)
-        if key in _RUNTIME_CONFIG_KEYS or ours == theirs:
-            continue
-        if isinstance(ours, dict) and isinstance(theirs, dict):
-            differ += model_config_differences(ours, theirs, f"{prefix}{key}.")
-        else:
-            differ.append(f"{prefix}{key}: checkpoint {ours!r}, model {theirs!r}")
-    return differ
-
-
 def latest_checkpoint(output_dir: str) -> Optional[str]:
     """The checkpoint `<output_dir>/latest` names, as rank 0 reads it (None: no `latest`), so that every rank resumes
     from the same one. Every rank calls this."""
@@ -684,106 +350,9 @@ def training_data_identity(dataset) -> dict:
     return {"rows": len(dataset), "sha256": digest.hexdigest()}
 
 
-def training_data_differences(state: dict, dataset) -> Optional[str]:
-    """What changed in the training data since the checkpoint (None: nothing, or a checkpoint that predates the
-    record)."""
-    saved = state.get("train_data")
-    if saved is None:
-        return None
-    current = training_data_identity(dataset)
-    if saved["rows"] != current["rows"]:
-        return f"it had {saved['rows']} rows after tokenization, now {current['rows']}"
-    if saved["sha256"] != current["sha256"]:
-        return f"the same {current['rows']} rows, but other tokens (sha256 {saved['sha256'][:12]}..., now " \
-               f"{current['sha256'][:12]}...)"
-    return None
-
-
-def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
-    """Sequences per optimizer step over all ranks, and how they are made up."""
-    batch, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
-    return world_size * batch * accumulation, f"{ranks(world_size)} x {batch} x {accumulation}"
-
-
-def global_batch_advice(saved_batch: int, world_size: int, batch: int) -> str:
-    """How this run's world size keeps the checkpoint's global batch: after a lost node the checkpoint's own layout
-    is out of reach, so the error names the accumulation that fits (or says that none does)."""
-    if saved_batch % world_size:
-        return f", which no layout of {ranks(world_size)} gives: resume on a world size that divides {saved_batch}"
-    per_rank = saved_batch // world_size
-    if per_rank % batch:
-        return (f", kept on {ranks(world_size)} by per_device_train_batch_size x gradient_accumulation_steps = "
-                f"{per_rank}")
-    return (f", kept on {ranks(world_size)} by --gradient_accumulation_steps {per_rank // batch} "
-            f"({ranks(world_size)} x {batch} x {per_rank // batch})")
-
-
 def master_dtype(model: nn.Module) -> str:
     """The dtype of the weights the optimizer updates, such as 'float32' (bfloat16 with pure_bf16)."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
-def saved_master_dtype(path: str, state: dict) -> Optional[str]:
-    """The master_dtype of the run that saved the checkpoint at `path`: as its state records it, else (a checkpoint
-    from before the record, 2026-12-02) the dtype of its Adam moments, which AdamW keeps in the weights' dtype; None
-    where it holds none."""
-    if "master_dtype" in state:
-        return state["master_dtype"]
-    metadata = read_dcp_metadata(os.path.join(path, "optimizer")).state_dict_metadata
-    dtypes = {str(item.properties.dtype).removeprefix("torch.") for key, item in metadata.items()
-              if key.startswith("state.") and key.endswith(".exp_avg")}
-    return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, master: str) -> list[str]:
-    """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none); `master`
-    is the master_dtype of the model resuming.
-
-    The data position is the step count: each step trains on the next global batch of the epoch's shuffled order
-    (DistributedSampler hands rank r the positions r, r + world_size, ..., so a step of any layout covers one
-    contiguous block of that order), and the epoch has len(data) // global batch steps. So the world size, the
-    per-device batch and the accumulation may change as long as their product, the global batch, does not.
-    """
-    saved, current = state["config"], cfg.to_dict()
-    keys = [k for k in _RESUME_KEYS if k in saved]  # a checkpoint from an older version may lack a newer key
-    if "train_data" in state:
-        # The data themselves are compared (training_data_differences): the same file under another spelling
-        # (./data.jsonl, an absolute path, another working directory) or a copy resumes.
-        keys.remove("dataset_name")
-    differ = [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in keys if saved[k] != current[k]]
-    saved_batch, saved_layout = _global_batch(saved, state["world_size"])
-    batch, layout = _global_batch(current, world_size)
-    if saved_batch != batch:
-        differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
-                      f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})"
-                      + global_batch_advice(saved_batch, world_size, current["per_device_train_batch_size"]))
-    # pure_bf16 against bf16 or no: the master weights and Adam's moments would be rounded to bf16, or go on from
-    # bf16-rounded values. bf16 and no differ in compute only, and may change like the engine.
-    saved_master = state.get("master_dtype") or master  # None: not known (saved_master_dtype), not compared
-    if saved_master != master:
-        needed = "pure_bf16" if saved_master == "bfloat16" else "bf16 or no"
-        differ.append(f"master weights and optimizer state (mixed_precision): checkpoint {saved_master} "
-                      f"(mixed_precision {needed}), now {master}")
-    return differ
-
-
-def tokenizer_differences(saved, current) -> list[str]:
-    """The parts of two tokenizers that tokenize differently (empty: none)."""
-    differ = [name for name in ("chat_template", "bos_token", "eos_token", "pad_token")
-              if getattr(saved, name) != getattr(current, name)]
-    if saved.chat_template == DEFAULT_CHAT_TEMPLATE and current.chat_template is None:
-        # A checkpoint from before the default template was given to chat and instruction data only: this run has
-        # none of those, so the template it saved played no part in the data.
-        differ.remove("chat_template")
-    if hasattr(saved, "backend_tokenizer") and hasattr(current, "backend_tokenizer"):
-        # The whole pipeline: vocabulary, merges, added tokens, normalizer, pre-tokenizer and the post-processor
-        # that adds BOS. Not padding and truncation: encoding a batch sets those on the backend.
-        saved_json, current_json = (json.loads(t.backend_tokenizer.to_str()) for t in (saved, current))
-        differ += [part for part in saved_json.keys() - {"padding", "truncation"}
-                   if saved_json[part] != current_json.get(part)]
-    elif saved.get_vocab() != current.get_vocab():
-        differ.append("vocabulary")
-    return sorted(differ)
 
 
 # --- Save -------------------------------------------------------------------------------------------------------
@@ -952,7 +521,7 @@ def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
     The new checkpoint is complete by now: a folder that cannot be removed (on a network file system, while a file
     in it is still open elsewhere) is a warning, not a failed save. Each save tries again."""
     for name in os.listdir(cfg.output_dir):
-        if _SAVE_RE.match(name) and not _CHECKPOINT_RE.match(name):
+        if SAVE_RE.match(name) and not _CHECKPOINT_RE.match(name):
             shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
     if cfg.save_total_limit:
         others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]

@@ -97,7 +97,7 @@ def start_wandb_run(cfg: TrainConfig, run_config: dict | None, resume_from: Opti
     saved = saved_wandb_run(resume_from)
     run_id = saved["wandb_run_id"]
     return wandb.init(
-        # A resumed run continues where its W&B run is: the project checkpoint.check_wandb_project compared,
+        # A resumed run continues where its W&B run is: the project output_dir.check_wandb_project compared,
         # and the entity saved (another default entity or WANDB_ENTITY would split the run).
         project=cfg.wandb_project, entity=saved["wandb_entity"] or None, name=cfg.run_name, id=run_id,
         resume="allow" if run_id else None,

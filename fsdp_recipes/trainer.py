@@ -220,11 +220,11 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
                 resume_from: str | None, eval_dataset, sigterm: SigtermNote) -> None:
     left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
     if left:
-        # A recipe copied before checkpoint.remove_earlier_run existed: retention would mix the two runs' checkpoints.
+        # A recipe copied before output_dir.remove_earlier_run existed: retention would mix the two runs' checkpoints.
         recipes_dir = os.path.dirname(os.path.abspath(sys.argv[0]))  # the running recipe's folder, wherever copied
         raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
                           f"earlier run: the recipe must call "
-                          f"remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after resolve_resume, as "
+                          f"remove_earlier_run(cfg) (fsdp_recipes.output_dir) after resolve_resume, as "
                           f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
                           f"{recipes_dir}` updates the recipes there")
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)

@@ -16,7 +16,6 @@ import os
 
 from transformers import set_seed
 
-from fsdp_recipes.checkpoint import prepare_output_dir, remove_earlier_run, resolve_resume
 from fsdp_recipes.cli import run_main
 from fsdp_recipes.config import parse_config
 from fsdp_recipes.data import build_datasets
@@ -26,8 +25,10 @@ from fsdp_recipes.families import check_model_type
 from fsdp_recipes.generation import log_sample_generations
 from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
+from fsdp_recipes.output_dir import prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import configure_progress_bars
+from fsdp_recipes.resume import resolve_resume
 from fsdp_recipes.schedule import check_run_length
 from fsdp_recipes.sharding import describe_plan, make_collectable
 from fsdp_recipes.trainer import train

@@ -32,9 +32,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
-                                     model_config_differences, point_latest_at, prepare_output_dir, remove_earlier_run,
-                                     resolve_resume, resolve_state_dict_type, save_checkpoint, tokenizer_differences,
-                                     training_config_differences, training_data_identity, validate_checkpoint)
+                                     point_latest_at, resolve_state_dict_type, save_checkpoint, training_data_identity,
+                                     validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
@@ -44,7 +43,10 @@ from fsdp_recipes import convert as convert_module, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
+from fsdp_recipes.output_dir import prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
+from fsdp_recipes.resume import (model_config_differences, resolve_resume, tokenizer_differences,
+                                 training_config_differences)
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
@@ -1333,7 +1335,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_p
 def test_a_second_run_into_an_output_dir_in_use_is_refused_until_the_first_ends(tiny, tmp_path):
     # The first run's rank 0 holds the lock from prepare_output_dir to its end: here a process that takes it as that
     # rank does, then waits. Two runs at once overwrote each other's checkpoints and interleaved metrics.jsonl.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fsdp_recipes.checkpoint import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fsdp_recipes.output_dir import "
                                "lock_output_dir; assert lock_output_dir(sys.argv[1]) is None; print(flush=True); "
                                "time.sleep(600)", tmp_path], stdout=subprocess.PIPE, env=subprocess_env())
     try:
@@ -1357,7 +1359,7 @@ def test_the_lock_ends_with_rank_0_though_a_forked_worker_lives_on(tmp_path):
     # A DataLoader worker forked by rank 0 outlives it by up to 5 s (until it notices) and ignores SLURM's SIGTERM:
     # with rank 0's copy of the lock file open, a resume started at once was refused as a second run.
     # The worker closes its stdin, stdout and stderr, as the pipe of run() would wait for it.
-    rank0 = ("import os, sys, time; from fsdp_recipes.checkpoint import lock_output_dir; "
+    rank0 = ("import os, sys, time; from fsdp_recipes.output_dir import lock_output_dir; "
              "assert lock_output_dir(sys.argv[1]) is None; child = os.fork(); "
              "child or (os.closerange(0, 3), time.sleep(600)); print(child, flush=True); os._exit(0)")
     holder = subprocess.run([sys.executable, "-c", rank0, tmp_path], stdout=subprocess.PIPE, text=True,
@@ -1811,7 +1813,7 @@ def test_a_copied_recipe_without_remove_earlier_run_stops_before_training(tiny, 
                expect_rc=2)
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: overwrite_output_dir true, but {tmp_path / 'out'} still holds checkpoint-8 of the earlier run: the "
-        f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.checkpoint) after resolve_resume, as "
+        f"recipe must call remove_earlier_run(cfg) (fsdp_recipes.output_dir) after resolve_resume, as "
         f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir {tmp_path}` updates the "
         f"recipes there")
     assert sorted(os.listdir(tmp_path / "out")) == [".run.lock", "checkpoint-8"]

@@ -8,9 +8,10 @@ import json
 import os
 import sys
 
-from fsdp_recipes.checkpoint import prepare_output_dir, resolve_resume
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.distributed import distributed, exit_process
+from fsdp_recipes.output_dir import prepare_output_dir
+from fsdp_recipes.resume import resolve_resume
 
 
 def config(output_dir: str, *extra: str):

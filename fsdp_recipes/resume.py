@@ -1,0 +1,242 @@
+"""Resuming a run: which checkpoint (`auto`: the one output_dir's `latest` names), and whether it continues this
+run, checked before anything is written: the same model config, tokenizer, training data, global batch and
+optimizer settings, and steps left to train."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoTokenizer
+
+from .checkpoint import (STATE_NAME, CheckpointError, latest_checkpoint, master_dtype, read_dcp_metadata,
+                         training_data_identity, validate_checkpoint)
+from .config import ROUTER_LOSS_KEYS, TrainConfig
+from .data_formats import DEFAULT_CHAT_TEMPLATE
+from .distributed import print_rank0, ranks
+from .schedule import count_total_steps
+
+# Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
+# config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
+_RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
+                        *ROUTER_LOSS_KEYS}
+# Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
+# points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
+# back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
+# The batch layout is compared as the global batch size (see training_config_differences). max_steps and
+# num_train_epochs may change (a run is extended): the scheduler then follows the new total from the resumed step;
+# resolve_resume refuses a total the checkpoint has already reached.
+_RESUME_KEYS = (
+    "dataset_name", "dataset_weights", "dataset_config_name", "dataset_split", "dataset_format",
+    "dataset_column_mapping", "completion_only_loss", "eval_fraction", "eval_split", "max_seq_length",
+    "overlong_examples", "packing", "seed", "learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay",
+    "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "output_router_logits", "router_aux_loss_coef",
+)
+
+
+def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset) -> Optional[str]:
+    """The checkpoint to resume from, validated against `model`, the tokenizer and the run's training config and
+    length; None to start from scratch.
+
+    `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
+    Nothing is deleted here, and nothing written but for the rename that puts back a checkpoint a killed re-save
+    left as .old (restore_replaced_checkpoint).
+    """
+    path = cfg.resume_from_checkpoint
+    if not path:
+        return None
+    if path == "auto":
+        path = latest_checkpoint(cfg.output_dir)
+        if path is None:
+            print_rank0(f"resume: no checkpoint in {cfg.output_dir} yet, starting from step 0")
+            return None
+    state = validate_checkpoint(path)
+    # Through the model's own config class, so that defaults not written to config.json compare equal.
+    saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
+    differ = model_config_differences(saved, model.config.to_dict())
+    if differ:
+        raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
+    # The router-loss settings as each run trained with them: unset in the recipe config means config.json's value
+    # (the checkpoint's config.json keeps the model's own, see export.write_model_files).
+    trained = {k: saved.get(k) for k in ROUTER_LOSS_KEYS if k in state["config"] and state["config"][k] is None}
+    recorded = {**state, "config": {**state["config"], **trained}, "master_dtype": saved_master_dtype(path, state)}
+    now = dataclasses.replace(cfg, **{k: getattr(model.config, k, None) for k in ROUTER_LOSS_KEYS})
+    differ = training_config_differences(recorded, now, dist.get_world_size(), master_dtype(model))
+    if differ:
+        raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
+                              f"resume continues that run, whose data position and optimizer settings the checkpoint "
+                              f"holds, so resume with the checkpoint's values, or start a fresh run (without "
+                              f"--resume_from_checkpoint)")
+    # The same examples as other tokens would make the data position point at other data.
+    differ = tokenizer_differences(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code),
+                                   tokenizer)
+    if differ:
+        raise CheckpointError(f"{path} was saved with another tokenizer (its {', '.join(differ)} differ): resume "
+                              f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or start a fresh "
+                              f"run")
+    # The same dataset_name with other content (a file edited or replaced in place): the data position would
+    # point at other examples.
+    differ = training_data_differences(state, train_dataset)
+    if differ:
+        raise CheckpointError(f"{path} was saved by a run whose training data differ from this run's "
+                              f"{cfg.dataset_name} ({differ}): a resume continues at step {state['step']} of that "
+                              f"data's order, so resume with the data the checkpoint was trained on, or start a "
+                              f"fresh run (without --resume_from_checkpoint)")
+    total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
+    # The checkpoint's own run's length: the same data and global batch (compared above), its max_steps and epochs.
+    saved_length = {k: state["config"].get(k, getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
+    saved_total = count_total_steps(dataclasses.replace(cfg, **saved_length), train_dataset, dist.get_world_size())
+    if saved_total != total_steps:
+        changed = ", ".join(f"{k} {saved_length[k]} -> {getattr(cfg, k)}" for k in saved_length
+                            if saved_length[k] != getattr(cfg, k))
+        print_rank0(f"resume: the run's length changes from {saved_total} to {total_steps} steps ({changed}): the LR "
+                    f"schedule (and a warm-up given as a fraction of the run) follows the new total from step "
+                    f"{state['step']}")
+    final = os.path.join(cfg.output_dir, "final")
+    # At its run's last step (the same length), a run that failed after its last save (in the final evaluation or the
+    # export) is finished; one that has its final/ (here or beside the checkpoint) is not done again, nor is a
+    # checkpoint of a longer or shorter run taken for an end.
+    # output_dir's final/ is an earlier run's where overwrite_output_dir removes it before this run trains.
+    ours = () if cfg.overwrite_output_dir else (final,)
+    folders = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
+    exported = [f for f in folders if export_of(f, path)]
+    at_end = state["step"] == total_steps
+    if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
+        why = (f", and {exported[0]} holds its export" if at_end and exported
+               else ", where the checkpoint's run, of another length, did not end" if at_end else "")
+        raise CheckpointError(
+            f"{path} is at step {state['step']} and this run has {total_steps} steps (max_steps, or num_train_epochs "
+            f"when max_steps is -1){why}: nothing is left to train; raise max_steps or num_train_epochs to extend "
+            f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
+            f"<out_dir>`")
+    if at_end:
+        found = (f"{final} holds an earlier export, older than the checkpoint (this run's export replaces it)"
+                 if final in folders else f"{final} does not exist")
+        print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
+                    f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
+    return path
+
+
+def export_of(final: str, checkpoint: str) -> bool:
+    """Whether the folder `final` is the export of `checkpoint`: a run exports after its last save, so its final/ is
+    the newer. The final/ of an earlier segment of the run (before max_steps was raised) is older than the checkpoint
+    of the extended run's last step, which a kill in that run's export (or a SIGTERM in its last step) leaves
+    without its own."""
+    return os.path.getmtime(final) >= os.path.getmtime(os.path.join(checkpoint, STATE_NAME))
+
+
+def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """'key: checkpoint <value>, model <value>' for each entry that differs, sub-configs (a multimodal model's
+    text_config) entry by entry, with the runtime entries left out at every level."""
+    differ = []
+    for key in sorted(set(saved) | set(current)):
+        ours, theirs = saved.get(key), current.get(key)
+        if key in _RUNTIME_CONFIG_KEYS or ours == theirs:
+            continue
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            differ += model_config_differences(ours, theirs, f"{prefix}{key}.")
+        else:
+            differ.append(f"{prefix}{key}: checkpoint {ours!r}, model {theirs!r}")
+    return differ
+
+
+def training_data_differences(state: dict, dataset) -> Optional[str]:
+    """What changed in the training data since the checkpoint (None: nothing, or a checkpoint that predates the
+    record)."""
+    saved = state.get("train_data")
+    if saved is None:
+        return None
+    current = training_data_identity(dataset)
+    if saved["rows"] != current["rows"]:
+        return f"it had {saved['rows']} rows after tokenization, now {current['rows']}"
+    if saved["sha256"] != current["sha256"]:
+        return f"the same {current['rows']} rows, but other tokens (sha256 {saved['sha256'][:12]}..., now " \
+               f"{current['sha256'][:12]}...)"
+    return None
+
+
+def _global_batch(config: dict, world_size: int) -> tuple[int, str]:
+    """Sequences per optimizer step over all ranks, and how they are made up."""
+    batch, accumulation = config["per_device_train_batch_size"], config["gradient_accumulation_steps"]
+    return world_size * batch * accumulation, f"{ranks(world_size)} x {batch} x {accumulation}"
+
+
+def global_batch_advice(saved_batch: int, world_size: int, batch: int) -> str:
+    """How this run's world size keeps the checkpoint's global batch: after a lost node the checkpoint's own layout
+    is out of reach, so the error names the accumulation that fits (or says that none does)."""
+    if saved_batch % world_size:
+        return f", which no layout of {ranks(world_size)} gives: resume on a world size that divides {saved_batch}"
+    per_rank = saved_batch // world_size
+    if per_rank % batch:
+        return (f", kept on {ranks(world_size)} by per_device_train_batch_size x gradient_accumulation_steps = "
+                f"{per_rank}")
+    return (f", kept on {ranks(world_size)} by --gradient_accumulation_steps {per_rank // batch} "
+            f"({ranks(world_size)} x {batch} x {per_rank // batch})")
+
+
+def saved_master_dtype(path: str, state: dict) -> Optional[str]:
+    """The master_dtype of the run that saved the checkpoint at `path`: as its state records it, else (a checkpoint
+    from before the record, 2026-12-02) the dtype of its Adam moments, which AdamW keeps in the weights' dtype; None
+    where it holds none."""
+    if "master_dtype" in state:
+        return state["master_dtype"]
+    metadata = read_dcp_metadata(os.path.join(path, "optimizer")).state_dict_metadata
+    dtypes = {str(item.properties.dtype).removeprefix("torch.") for key, item in metadata.items()
+              if key.startswith("state.") and key.endswith(".exp_avg")}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def training_config_differences(state: dict, cfg: TrainConfig, world_size: int, master: str) -> list[str]:
+    """'key: checkpoint <value>, now <value>' for each training setting a resume must keep (empty: none); `master`
+    is the master_dtype of the model resuming.
+
+    The data position is the step count: each step trains on the next global batch of the epoch's shuffled order
+    (DistributedSampler hands rank r the positions r, r + world_size, ..., so a step of any layout covers one
+    contiguous block of that order), and the epoch has len(data) // global batch steps. So the world size, the
+    per-device batch and the accumulation may change as long as their product, the global batch, does not.
+    """
+    saved, current = state["config"], cfg.to_dict()
+    keys = [k for k in _RESUME_KEYS if k in saved]  # a checkpoint from an older version may lack a newer key
+    if "train_data" in state:
+        # The data themselves are compared (training_data_differences): the same file under another spelling
+        # (./data.jsonl, an absolute path, another working directory) or a copy resumes.
+        keys.remove("dataset_name")
+    differ = [f"{k}: checkpoint {saved[k]!r}, now {current[k]!r}" for k in keys if saved[k] != current[k]]
+    saved_batch, saved_layout = _global_batch(saved, state["world_size"])
+    batch, layout = _global_batch(current, world_size)
+    if saved_batch != batch:
+        differ.append(f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): "
+                      f"checkpoint {saved_batch} ({saved_layout}), now {batch} ({layout})"
+                      + global_batch_advice(saved_batch, world_size, current["per_device_train_batch_size"]))
+    # pure_bf16 against bf16 or no: the master weights and Adam's moments would be rounded to bf16, or go on from
+    # bf16-rounded values. bf16 and no differ in compute only, and may change like the engine.
+    saved_master = state.get("master_dtype") or master  # None: not known (saved_master_dtype), not compared
+    if saved_master != master:
+        needed = "pure_bf16" if saved_master == "bfloat16" else "bf16 or no"
+        differ.append(f"master weights and optimizer state (mixed_precision): checkpoint {saved_master} "
+                      f"(mixed_precision {needed}), now {master}")
+    return differ
+
+
+def tokenizer_differences(saved, current) -> list[str]:
+    """The parts of two tokenizers that tokenize differently (empty: none)."""
+    differ = [name for name in ("chat_template", "bos_token", "eos_token", "pad_token")
+              if getattr(saved, name) != getattr(current, name)]
+    if saved.chat_template == DEFAULT_CHAT_TEMPLATE and current.chat_template is None:
+        # A checkpoint from before the default template was given to chat and instruction data only: this run has
+        # none of those, so the template it saved played no part in the data.
+        differ.remove("chat_template")
+    if hasattr(saved, "backend_tokenizer") and hasattr(current, "backend_tokenizer"):
+        # The whole pipeline: vocabulary, merges, added tokens, normalizer, pre-tokenizer and the post-processor
+        # that adds BOS. Not padding and truncation: encoding a batch sets those on the backend.
+        saved_json, current_json = (json.loads(t.backend_tokenizer.to_str()) for t in (saved, current))
+        differ += [part for part in saved_json.keys() - {"padding", "truncation"}
+                   if saved_json[part] != current_json.get(part)]
+    elif saved.get_vocab() != current.get_vocab():
+        differ.append("vocabulary")
+    return sorted(differ)
+
