@@ -325,7 +325,7 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
     if plan.fsdp_version == 1:
         engine = "FSDP1 (FullyShardedDataParallel)"
         strategy = f"{plan.sharding_strategy}, mesh {' x '.join(map(str, plan.mesh_shape))}"
-        if model.sharding_strategy.name != plan.sharding_strategy:  # torch runs NO_SHARD on a 1-rank shard group
+        if isinstance(model, FSDP) and model.sharding_strategy.name != plan.sharding_strategy:  # NO_SHARD on 1 rank
             strategy = f"{model.sharding_strategy.name} (torch's on 1 rank, for the {strategy} asked)"
     else:
         engine = "FSDP2 (fully_shard)"
