@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
 from typing import TextIO
@@ -16,9 +17,11 @@ from .distributed import print_rank0
 
 
 def use_progress_bars(is_main: bool, stream: TextIO | None = None) -> bool:
-    """Bars only on rank 0 and only when its stderr (where tqdm draws) is a terminal: in a log file a bar is noise."""
+    """Bars only on rank 0 and only when its stderr (where tqdm draws) is a terminal with a width: in a log file a bar
+    is noise, and on a terminal of 0 columns (a pseudo-terminal nobody sized: `script`, `docker run -t` in a job) tqdm
+    draws nothing at all, so the plain lines are the only progress shown."""
     stream = sys.stderr if stream is None else stream
-    return is_main and stream.isatty()
+    return is_main and stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
 
 
 def configure_progress_bars(is_main: bool) -> bool:

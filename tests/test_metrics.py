@@ -43,11 +43,11 @@ DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
 PROMPTS = ["reverse: abcd", "reverse: deadbeef"]
 
 
-def run_on_terminal(cmd: list, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run cmd with stdout and stderr on a pseudo-terminal of 200 columns, as in a shell; its stdout is what the
-    terminal received."""
+def run_on_terminal(cmd: list, timeout: int = 600, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
+    """Run cmd with stdout and stderr on a pseudo-terminal of `columns` columns (200: as in a shell); its stdout is
+    what the terminal received."""
     leader, follower = os.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50 if columns else 0, columns, 0, 0))
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), stdin=subprocess.DEVNULL,
                             stdout=follower, stderr=follower)
     os.close(follower)
@@ -475,6 +475,7 @@ def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
 
 def test_progress_bar_only_on_rank0_in_a_terminal(observed):
     leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     with os.fdopen(follower, "w") as terminal:
         assert use_progress_bars(True, terminal) and not use_progress_bars(False, terminal)
     os.close(leader)
@@ -516,6 +517,8 @@ def test_loading_and_tokenization_bars_only_in_a_terminal():
              "print(shown, datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())")
     assert run_on_terminal([sys.executable, "-c", check]).stdout.strip() == "True True True"
     assert run([sys.executable, "-c", check]).stdout.strip() == "False False False"  # a log file: no bars
+    # A terminal of 0 columns (`script`, `docker run -t` in a job), on which tqdm would draw nothing: plain lines.
+    assert run_on_terminal([sys.executable, "-c", check], columns=0).stdout.strip() == "False False False"
 
 
 def test_plain_progress_time_left_is_paced_by_the_steps_this_run_trained(monkeypatch, capsys):
