@@ -38,7 +38,7 @@ def library_versions() -> dict[str, str]:
 
 def check_wandb_credentials(cfg: TrainConfig) -> None:
     """With report_to wandb, fail now, before the model is loaded, where wandb.init would: a wandb_project name that
-    wandb refuses, and in online mode no API key configured.
+    wandb refuses, a setting of the environment it refuses, and in online mode no API key configured.
 
     Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server. Only the
     rank that logs (rank 0) checks: wandb.login starts wandb's service process, which would idle on every other rank.
@@ -46,6 +46,7 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
     if cfg.report_to != "wandb" or os.environ.get("RANK", "0") != "0":
         return
     import wandb
+    from pydantic import ValidationError  # wandb's settings are pydantic models
     from wandb.sdk import wandb_setup
 
     try:
@@ -53,8 +54,13 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
     except wandb.errors.UsageError as error:
         raise ConfigError(f"wandb_project {cfg.wandb_project!r} is not a name W&B accepts ({error}): pass the "
                           f"project's name alone, and set WANDB_ENTITY to log to a team's project") from None
-    # The settings wandb.login reads (environment, settings files).
-    if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):
+    try:
+        mode = wandb_setup.singleton().settings.mode  # the settings wandb.login reads (environment, settings files)
+    except ValidationError as error:  # a typo such as WANDB_MODE=ofline, which wandb.init would raise as a traceback
+        refused = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in error.errors())
+        raise ConfigError(f"W&B refuses its settings (from the WANDB_ environment variables or a wandb settings "
+                          f"file): {refused}. Correct the setting, or pass --report_to none") from None
+    if mode in ("offline", "dryrun", "disabled"):
         return
     if not wandb.login(verify=False, prompt=False):
         raise ConfigError(

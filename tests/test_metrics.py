@@ -336,6 +336,16 @@ def test_a_wandb_project_name_wandb_refuses_stops_the_run_before_the_model_is_lo
     assert "no_such_model" not in proc.stderr
 
 
+def test_a_wandb_setting_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path):
+    # A typo in WANDB_MODE: wandb's settings refuse it with a pydantic traceback, here one error line.
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
+                "--report_to", "wandb"], expect_rc=2, WANDB_MODE="ofline", WANDB_DIR=str(tmp_path))
+    [line] = proc.stderr.splitlines()  # wandb's words for the modes it takes change with its version
+    assert line.startswith("error: W&B refuses its settings (from the WANDB_ environment variables or a wandb "
+                           "settings file): mode 'ofline': Input should be 'online', 'offline'")
+    assert line.endswith(". Correct the setting, or pass --report_to none")
+
+
 def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
     # wandb.login starts wandb's service process: on the other ranks it would idle for the whole run.
     check = ("import sys; from fsdp_recipes.config import parse_config; from fsdp_recipes.metrics import "
