@@ -52,8 +52,12 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
     try:
         wandb.Settings(project=cfg.wandb_project)  # wandb's own checks of the name
     except wandb.errors.UsageError as error:
-        raise ConfigError(f"wandb_project {cfg.wandb_project!r} is not a name W&B accepts ({error}): pass the "
-                          f"project's name alone, and set WANDB_ENTITY to log to a team's project") from None
+        # The config takes WANDB_PROJECT where --wandb_project is unset: a user who never passed it is told where.
+        source = " (from WANDB_PROJECT)" if os.environ.get("WANDB_PROJECT") == cfg.wandb_project else ""
+        advice = ("pass the project's name alone, and set WANDB_ENTITY to log to a team's project"
+                  if "/" in cfg.wandb_project else "choose another name")  # entity/project, as W&B shows it
+        raise ConfigError(f"wandb_project {cfg.wandb_project!r}{source} is not a name W&B accepts ({error}): "
+                          f"{advice}") from None
     try:
         mode = wandb_setup.singleton().settings.mode  # the settings wandb.login reads (environment, settings files)
     except ValidationError as error:  # a typo such as WANDB_MODE=ofline, which wandb.init would raise as a traceback

@@ -336,6 +336,15 @@ def test_a_wandb_project_name_wandb_refuses_stops_the_run_before_the_model_is_lo
     assert "no_such_model" not in proc.stderr
 
 
+def test_a_refused_wandb_project_from_the_environment_is_named_with_advice_that_fits(tmp_path):
+    # Not a team path: the advice about WANDB_ENTITY would mislead; and the name came from WANDB_PROJECT, not a flag.
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
+                "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path), WANDB_PROJECT="sft:v2")
+    assert proc.stderr.startswith("error: wandb_project 'sft:v2' (from WANDB_PROJECT) is not a name W&B accepts "
+                                  "(Invalid project name 'sft:v2'")
+    assert proc.stderr.endswith("found ':'): choose another name\n")
+
+
 def test_a_wandb_setting_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path):
     # A typo in WANDB_MODE: wandb's settings refuse it with a pydantic traceback, here one error line.
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
