@@ -20,6 +20,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from .progress import configure_progress_bars
+
 LETTERS = string.ascii_lowercase[:16]
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -142,6 +144,7 @@ def main() -> None:
                 f"checkpoint or the demo's base_model")
     if args.command == "evaluate" and not os.path.isfile(args.data):
         e.error(f"--data {args.data}: no such file (the demo's eval.jsonl, written by prepare)")
+    configure_progress_bars(True)  # transformers' saving and loading bars, in a terminal only, as the recipe's
     if args.command == "prepare":
         prepare(args.out_dir, args.n_train, args.n_eval, args.seed)
     else:

@@ -71,6 +71,16 @@ def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
         assert proc.stderr.splitlines()[-1] == f"python -m fsdp_recipes.demo evaluate: error: {message}"
 
 
+def test_prepare_and_evaluate_draw_no_bars_into_a_log_file(tmp_path):
+    # `make demo > demo.log`: transformers' saving and loading bars are a terminal's, as in the recipe.
+    demo = [sys.executable, "-m", "fsdp_recipes.demo"]
+    prepared = run([*demo, "prepare", "--out_dir", tmp_path, "--n_train", "4", "--n_eval", "2"])
+    evaluated = run([*demo, "evaluate", "--model", tmp_path / "base_model", "--data", tmp_path / "eval.jsonl"])
+    assert prepared.stdout == f"demo: wrote {tmp_path}/base_model, 4 train and 2 held-out examples\n"
+    assert evaluated.stdout == f"demo: held-out accuracy of {tmp_path}/base_model: 0.0% (0/2)\n"
+    assert "it/s" not in prepared.stderr + evaluated.stderr, prepared.stderr + evaluated.stderr
+
+
 def test_make_clean_removes_the_venv_and_demo_folder_it_is_given(tmp_path):
     """`make clean DEMO_DIR=...` removes that folder, not ./demo (and leaves the running venv alone)."""
     venv, demo = tmp_path / "venv", tmp_path / "my_demo"
