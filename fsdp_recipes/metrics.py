@@ -38,7 +38,8 @@ def library_versions() -> dict[str, str]:
 
 def check_wandb_credentials(cfg: TrainConfig) -> None:
     """With report_to wandb, fail now, before the model is loaded, where wandb.init would: a wandb_project name that
-    wandb refuses, a setting of the environment it refuses, and in online mode no API key configured.
+    wandb refuses, a setting of the environment it refuses, and in online mode no API key configured, or one that is
+    malformed.
 
     Reads WANDB_API_KEY, the netrc file and wandb's settings, as wandb.init would; contacts no server. Only the
     rank that logs (rank 0) checks: wandb.login starts wandb's service process, which would idle on every other rank.
@@ -66,11 +67,14 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
                           f"file): {refused}. Correct the setting, or pass --report_to none") from None
     if mode in ("offline", "dryrun", "disabled"):
         return
-    if not wandb.login(verify=False, prompt=False):
-        raise ConfigError(
-            "report_to is wandb but no W&B API key is configured: set WANDB_API_KEY or run `wandb login`; or log "
-            "without network with WANDB_MODE=offline (then `wandb sync`), or pass --report_to none"
-        )
+    advice = ("set WANDB_API_KEY or run `wandb login`; or log without network with WANDB_MODE=offline (then `wandb "
+              "sync`), or pass --report_to none")
+    try:
+        logged_in = wandb.login(verify=False, prompt=False)
+    except wandb.errors.AuthenticationError as error:  # a malformed key (cut short when pasted): a traceback
+        raise ConfigError(f"report_to is wandb but W&B refuses the API key ({error}): {advice}") from None
+    if not logged_in:
+        raise ConfigError(f"report_to is wandb but no W&B API key is configured: {advice}")
 
 
 def parsed_step(line: str) -> float:

@@ -327,6 +327,18 @@ def test_missing_wandb_api_key_stops_the_run_before_the_model_is_loaded(tmp_path
     assert "no_such_model" not in proc.stderr
 
 
+def test_a_malformed_wandb_api_key_stops_the_run_before_the_model_is_loaded(tmp_path):
+    # A key cut short when pasted: wandb.login raises an AuthenticationError, here one error line.
+    proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
+                "--report_to", "wandb"], expect_rc=2, WANDB_MODE="online", WANDB_API_KEY="0123456789",
+               HOME=str(tmp_path), NETRC=str(tmp_path / "netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"))
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: report_to is wandb but W&B refuses the API key (")
+    assert "API key must have 40+ characters, has 10." in line  # wandb's words, which some versions prefix
+    assert line.endswith("): set WANDB_API_KEY or run `wandb login`; or log without network with WANDB_MODE=offline "
+                         "(then `wandb sync`), or pass --report_to none")
+
+
 def test_a_wandb_project_name_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path):
     # An entity/project path, as W&B shows it: wandb.init refuses it as a project name, once the model is loaded.
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
