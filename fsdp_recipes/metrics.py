@@ -61,8 +61,10 @@ def check_wandb_credentials(cfg: TrainConfig) -> None:
                           f"{advice}") from None
     try:
         mode = wandb_setup.singleton().settings.mode  # the settings wandb.login reads (environment, settings files)
-    except ValidationError as error:  # a typo such as WANDB_MODE=ofline, which wandb.init would raise as a traceback
-        refused = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in error.errors())
+    except (ValidationError, wandb.errors.UsageError) as error:  # WANDB_MODE=ofline, a '/' in WANDB_RUN_ID: tracebacks
+        # pydantic's error lists each setting refused and its value; wandb's own validators say it in their message.
+        refused = ("; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in error.errors())
+                   if isinstance(error, ValidationError) else str(error))
         raise ConfigError(f"W&B refuses its settings (from the WANDB_ environment variables or a wandb settings "
                           f"file): {refused}. Correct the setting, or pass --report_to none") from None
     if mode in ("offline", "dryrun", "disabled"):

@@ -357,13 +357,17 @@ def test_a_refused_wandb_project_from_the_environment_is_named_with_advice_that_
     assert proc.stderr.endswith("found ':'): choose another name\n")
 
 
-def test_a_wandb_setting_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path):
-    # A typo in WANDB_MODE: wandb's settings refuse it with a pydantic traceback, here one error line.
+@pytest.mark.parametrize("variable, value, reason", [
+    ("WANDB_MODE", "ofline", "mode 'ofline': Input should be 'online', 'offline'"),  # pydantic's check
+    ("WANDB_RUN_ID", "sft/1", "Run ID cannot contain the characters"),  # one of wandb's own
+])
+def test_a_wandb_setting_wandb_refuses_stops_the_run_before_the_model_is_loaded(tmp_path, variable, value, reason):
+    # wandb's settings refuse these with a traceback; here one error line. Its words change with its version.
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
-                "--report_to", "wandb"], expect_rc=2, WANDB_MODE="ofline", WANDB_DIR=str(tmp_path))
-    [line] = proc.stderr.splitlines()  # wandb's words for the modes it takes change with its version
+                "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path), **{variable: value})
+    [line] = proc.stderr.splitlines()
     assert line.startswith("error: W&B refuses its settings (from the WANDB_ environment variables or a wandb "
-                           "settings file): mode 'ofline': Input should be 'online', 'offline'")
+                           f"settings file): {reason}")
     assert line.endswith(". Correct the setting, or pass --report_to none")
 
 
