@@ -255,6 +255,9 @@ class TrainConfig:
             self.per_device_eval_batch_size = self.per_device_train_batch_size
         if self.wandb_project is None:  # as wandb.init reads it, which a project passed to it would override
             self.wandb_project = os.environ.get("WANDB_PROJECT") or "fsdp-recipes"
+        for name in ("wandb_project", "run_name"):  # online, W&B files an empty name under a default of its own
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ConfigError(f"{name} is empty: give it a name, or leave it out (null) for the default")
         positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length", "logging_steps",
                     "per_device_eval_batch_size", "generation_max_new_tokens"]
         for name in positive:

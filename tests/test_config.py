@@ -298,6 +298,10 @@ def test_the_wandb_project_defaults_to_the_environments_as_wandb_reads_it(monkey
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
     assert parse_config(args).wandb_project == "from-env"
     assert parse_config(args + ["--wandb_project", "mine"]).wandb_project == "mine"
+    # An empty name (an unset shell variable, --wandb_project "$PROJECT"): W&B would file the run under its default.
+    for key in ("wandb_project", "run_name"):
+        with pytest.raises(ConfigError, match=f"^{key} is empty: give it a name, or leave it out"):
+            parse_config(args + [f"--{key}", " "])
 
 
 def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the_feature_off(tmp_path):
