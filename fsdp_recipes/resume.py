@@ -104,6 +104,11 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     ours = () if cfg.overwrite_output_dir else (final,)
     folders = [f for f in (*ours, os.path.join(os.path.dirname(os.path.abspath(path)), "final")) if os.path.isdir(f)]
     exported = [f for f in folders if export_of(f, path)]
+    # A run stopped while it generated its samples (after its export) is finished again, for the samples.
+    samples_owed = (final in exported and cfg.generation_prompts
+                    and not os.path.isfile(os.path.join(cfg.output_dir, "samples.jsonl")))
+    if samples_owed:  # output_dir's final/, which may also be listed as the checkpoint's neighbour
+        exported = [f for f in exported if os.path.realpath(f) != os.path.realpath(final)]
     at_end = state["step"] == total_steps
     if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
         why = (f", and {exported[0]} holds its export" if at_end and exported
@@ -114,7 +119,9 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
             f"the run, or write the checkpoint as a Hugging Face folder with `python -m fsdp_recipes.convert {path} "
             f"<out_dir>`")
     if at_end:
-        found = (f"{final} holds an earlier export, older than the checkpoint (this run's export replaces it)"
+        found = (f"{final} holds its export but {cfg.output_dir} no samples.jsonl (this run's export replaces it)"
+                 if samples_owed else
+                 f"{final} holds an earlier export, older than the checkpoint (this run's export replaces it)"
                  if final in folders else f"{final} does not exist")
         print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
                     f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")

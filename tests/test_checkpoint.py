@@ -1466,6 +1466,24 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
     assert f"and {tmp_path / 'whole' / 'final'} holds its export: nothing is left to train" in elsewhere.stderr
 
 
+def test_a_run_stopped_while_generating_its_samples_is_finished_by_a_resume(tiny, tmp_path):
+    """A SIGTERM (or a failure) in sample generation comes after the export: final/ is complete and samples.jsonl is
+    not written. A resume finishes the run again for the samples (the same final/ and answers); then it is refused."""
+    args = recipe_args(tiny, tmp_path, "--max_steps", "2", "--generation_prompts", "abc", "--generation_max_new_tokens",
+                       "4", "--resume_from_checkpoint", "auto")
+    run([sys.executable, RECIPE, *args])
+    samples, exported = (tmp_path / "samples.jsonl").read_text(), final_weights(tmp_path)
+    (tmp_path / "samples.jsonl").unlink()  # what the stopped run leaves
+    finished = run([sys.executable, RECIPE, *args])
+    assert (f"resume: {tmp_path / 'checkpoint-2'} is at the run's last step (2) and {tmp_path / 'final'} holds its "
+            f"export but {tmp_path} no samples.jsonl (this run's export replaces it): the run is finished from "
+            f"it") in finished.stdout
+    assert (tmp_path / "samples.jsonl").read_text() == samples
+    assert_same_weights(final_weights(tmp_path), exported)
+    again = run([sys.executable, RECIPE, *args], expect_rc=2)
+    assert f"and {tmp_path / 'final'} holds its export: nothing is left to train" in again.stderr
+
+
 def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_export(tiny, tmp_path):
     """A run of 2 steps, extended to 4 (max_steps raised), fails after its last save: final/ still holds the 2-step
     export, which a resume must not take for the 4-step run's. The resume finishes the run and replaces it."""
