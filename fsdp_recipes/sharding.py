@@ -326,7 +326,8 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         engine = "FSDP1 (FullyShardedDataParallel)"
         strategy = f"{plan.sharding_strategy}, mesh {' x '.join(map(str, plan.mesh_shape))}"
         if isinstance(model, FSDP) and model.sharding_strategy.name != plan.sharding_strategy:  # NO_SHARD on 1 rank
-            strategy = f"{model.sharding_strategy.name} (torch's on 1 rank, for the {strategy} asked)"
+            strategy = (f"{model.sharding_strategy.name}, mesh 1 (what torch runs on 1 rank, for the "
+                        f"{plan.sharding_strategy} asked)")
     else:
         engine = "FSDP2 (fully_shard)"
         kind = "HSDP (replicate x shard)" if len(plan.mesh_shape) == 2 else "shard"
