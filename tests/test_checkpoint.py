@@ -21,9 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+import accelerate
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -1965,7 +1967,10 @@ def test_accelerate_launch_given_a_sigterm_exits_with_the_code_the_readme_gives(
     [step] = re.findall(f"stopped by SIGTERM after step ([0-9]+): saved {tmp_path}/checkpoint-\\1;", output)
     assert (tmp_path / "latest").read_text() == f"checkpoint-{step}"
     readme = (REPO / "README.md").read_text().replace("\n", " ")
-    assert re.search(r"`accelerate launch` \([0-9.]+\) exits ([0-9]+)", readme)[1] == str(code) == "143", output
+    # accelerate 1.16 exits 128 + the signal itself; before it, its launcher exits as torchrun does (the floor, 1.10).
+    readme_codes = dict(re.findall(r"`accelerate launch` \((1\.16|before 1\.16)\) exits ([0-9]+)", readme))
+    version = "1.16" if Version(accelerate.__version__) >= Version("1.16") else "before 1.16"
+    assert str(code) == readme_codes[version] == {"1.16": "143", "before 1.16": "1"}[version], output
 
 
 def test_a_sigterm_stops_a_one_process_run_with_its_line_and_exit_code_143(tiny, tmp_path):
