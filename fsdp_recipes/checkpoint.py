@@ -64,6 +64,17 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 SAVE_RE = re.compile(r"^checkpoint-\d+(\.tmp|\.old)?$")
 
 
+def __getattr__(name: str):
+    """A recipe copied before output_dir.py and resume.py were split from this module imports these from here: its
+    ImportError says where they went and how to update the copy."""
+    moved = {"prepare_output_dir": "output_dir", "remove_earlier_run": "output_dir", "resolve_resume": "resume"}
+    if name in moved:
+        raise ImportError(f"{name} is in fsdp_recipes.{moved[name]}, no longer in fsdp_recipes.checkpoint: a recipe "
+                          f"copied before 2026-12-06 imports it from there; `python -m fsdp_recipes.new_recipe --sync "
+                          f"--recipes_dir <the recipe's folder>` updates its shared part")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; the message names the problem and the path."""
 

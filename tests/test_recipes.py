@@ -715,6 +715,23 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
     assert (tmp_path / "gemma_sft.py").read_text() == outdated
 
 
+def test_a_recipe_copied_before_the_checkpoint_split_is_told_where_its_imports_went_and_sync_updates_it(tmp_path):
+    llama = (REPO / "recipes" / "llama_sft.py").read_text()
+    old = llama.replace("from fsdp_recipes.output_dir import prepare_output_dir, remove_earlier_run\n", "").replace(
+        "from fsdp_recipes.resume import resolve_resume\n", "").replace(
+        "from fsdp_recipes.model import", "from fsdp_recipes.checkpoint import prepare_output_dir, remove_earlier_run, "
+        "resolve_resume\nfrom fsdp_recipes.model import")
+    (tmp_path / "my_sft.py").write_text(old)
+    failed = run([sys.executable, tmp_path / "my_sft.py", "--help"], expect_rc=1)
+    assert failed.stderr.splitlines()[-1] == (
+        "ImportError: prepare_output_dir is in fsdp_recipes.output_dir, no longer in fsdp_recipes.checkpoint: a recipe "
+        "copied before 2026-12-06 imports it from there; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
+        "<the recipe's folder>` updates its shared part")
+    run([sys.executable, "-m", "fsdp_recipes.new_recipe", "--sync", "--recipes_dir", tmp_path])
+    assert (tmp_path / "my_sft.py").read_text() == llama
+    assert "--resume_from_checkpoint" in run([sys.executable, tmp_path / "my_sft.py", "--help"]).stdout
+
+
 def test_sync_of_a_folder_without_recipes_says_so_and_of_recipes_in_sync_says_that(tmp_path):
     """A mistyped --recipes_dir (a missing folder, the recipes' configs/) synced nothing and printed nothing, exit 0,
     as a folder whose recipes were already in sync did: each now says which it is."""
