@@ -49,6 +49,7 @@ class ShardingPlan:
     # Filled by shard_model: what was wrapped, which layer classes checkpointing and compile apply to, the mesh.
     wrapped: str = ""
     layer_classes: str = ""
+    units_in_compiled_layers: str = ""  # the classes of units inside a compiled layer, which cut its graph
     mesh_shape: tuple = ()
     total_params: int = 0
 

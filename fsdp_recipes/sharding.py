@@ -173,6 +173,8 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         # outer one takes only the rest, as accelerate's bottom-up order does.
         units = [m for m in reversed(list(model.modules())) if isinstance(m, unit_class)]
         plan.wrapped = f"{len(units)} x {', '.join(c.__name__ for c in layer_classes)}"
+    if plan.torch_compile:
+        plan.units_in_compiled_layers = units_inside_layers(model, units, layer_classes)
     check_tied_parameters_share_a_unit(model, units)
     if plan.fsdp_version == 1:
         model = fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
@@ -184,6 +186,16 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         return model
     fsdp2.shard(model, units, plan, mesh)
     return model
+
+
+def units_inside_layers(model: nn.Module, units: list[nn.Module], layer_classes: tuple[type, ...]) -> str:
+    """The classes of the units that lie inside a layer of `layer_classes` (a size-based unit smaller than a layer,
+    or LlamaMLP named beside the decoder layer): dynamo does not trace FSDP2's hooks, so each such unit cuts the
+    compiled layer into separate graphs. A unit that is the layer or holds it leaves its compiled code whole."""
+    unit_ids = {id(unit) for unit in units}
+    inside = {type(module).__name__ for layer in model.modules() if isinstance(layer, layer_classes)
+              for module in layer.modules() if module is not layer and id(module) in unit_ids}
+    return ", ".join(sorted(inside))
 
 
 def size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> list[nn.Module]:
@@ -360,7 +372,9 @@ def describe_plan(model: nn.Module, plan: ShardingPlan) -> str:
         f"gradient sync: {sync}",
         f"parameters: {plan.total_params:,} total, {local:,} on rank {dist.get_rank()}",
     ]
-    lines += [f"torch.compile: {layers}"] if plan.torch_compile else []
+    pieces = (f", with graph breaks at the FSDP2 hooks of the units inside it ({plan.units_in_compiled_layers})"
+              if plan.units_in_compiled_layers else "")
+    lines += [f"torch.compile: {layers}{pieces}"] if plan.torch_compile else []
     lines += [f"note: {o}" for o in plan.overrides]
     return "\n".join("  " + line for line in lines)
 

@@ -332,6 +332,30 @@ def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the
         assert f"  activation checkpointing: {applied_to}" in printed
 
 
+@pytest.mark.parametrize("args, inside", [
+    ([], None),  # each decoder layer a unit: FSDP2's hooks run around its compiled code
+    (["--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "5000"], "LlamaMLP"),  # MLP: 6,144
+    (["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP"], "LlamaMLP"),
+])
+def test_the_plan_says_when_units_inside_a_compiled_layer_break_its_graph(monkeypatch, one_process_group, args,
+                                                                          inside):
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plan = plan_for("--torch_compile", "true", "--mixed_precision", "no", *args)
+    model = shard_model(tiny_model(), plan, torch.device("cpu"))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ids = torch.arange(8).unsqueeze(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    printed = [line for line in describe_plan(model, plan).splitlines() if "torch.compile" in line]
+    assert len(printed) == 1
+    if inside is None:
+        assert graph_breaks == 0 and "graph breaks" not in printed[0]
+    else:
+        assert graph_breaks > 0
+        assert printed[0].endswith(f", with graph breaks at the FSDP2 hooks of the units inside it ({inside})")
+
+
 def test_the_plan_prints_the_strategy_fsdp1_runs_on_one_rank(accelerate_env, one_process_group):
     # FSDP1 runs NO_SHARD on one rank whatever it is asked (torch warns): the plan says what runs, and why.
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
