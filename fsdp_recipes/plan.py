@@ -363,7 +363,8 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
         raise ConfigError("FSDP1 with CPU offload cannot accumulate gradients over micro-batches that each reduce "
                           "theirs (torch keeps only the last one): set gradient_sync last_micro_batch (full "
                           "gradients stay on the GPU until the step's last micro-batch), gradient_accumulation_steps "
-                          "1, or fsdp_version 2")
+                          "1, or fsdp_version 2 (on a machine without a GPU the only choice: FSDP1 offload runs on "
+                          "a GPU only)")
 
     return ShardingPlan(
         fsdp_version=version,

@@ -284,7 +284,8 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({}, ["--fsdp_version", "1", "--torch_compile", "true"], "torch_compile needs fsdp_version 2"),
     # torch's FSDP1 replaces an offloaded gradient with the newest micro-batch's instead of adding to it.
     ({"FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true"}, ["--gradient_accumulation_steps", "2"],
-     "FSDP1 with CPU offload cannot accumulate gradients .* set gradient_sync last_micro_batch"),
+     "FSDP1 with CPU offload cannot accumulate gradients .* set gradient_sync last_micro_batch .* or fsdp_version 2 "
+     r"\(on a machine without a GPU the only choice: FSDP1 offload runs on a GPU only\)$"),
 ])
 def test_settings_that_cannot_work_are_errors(accelerate_env, env, args, message):
     for key, value in env.items():
