@@ -193,7 +193,8 @@ def units_inside_layers(model: nn.Module, units: list[nn.Module], layer_classes:
     or LlamaMLP named beside the decoder layer): dynamo does not trace FSDP2's hooks, so each such unit cuts the
     compiled layer into separate graphs. A unit that is the layer or holds it leaves its compiled code whole."""
     unit_ids = {id(unit) for unit in units}
-    inside = {type(module).__name__ for layer in model.modules() if isinstance(layer, layer_classes)
+    inside = {type(getattr(module, "_checkpoint_wrapped_module", module)).__name__  # a checkpoint wrapper by its layer
+              for layer in model.modules() if isinstance(layer, layer_classes)
               for module in layer.modules() if module is not layer and id(module) in unit_ids}
     return ", ".join(sorted(inside))
 

@@ -337,12 +337,15 @@ def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the
     ([], None),  # each decoder layer a unit: FSDP2's hooks run around its compiled code
     (["--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "5000"], "LlamaMLP"),  # MLP: 6,144
     (["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP"], "LlamaMLP"),
+    # The MLP's checkpoint wrapper is the unit, named by the class it wraps.
+    (["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,LlamaMLP", "--fsdp_activation_checkpointing", "true"],
+     "LlamaMLP"),
 ])
 def test_the_plan_says_when_units_inside_a_compiled_layer_break_its_graph(monkeypatch, one_process_group, args,
                                                                           inside):
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     plan = plan_for("--torch_compile", "true", "--mixed_precision", "no", *args)
-    model = shard_model(tiny_model(), plan, torch.device("cpu"))
+    model = shard_model(tiny_model(use_cache=False), plan, torch.device("cpu"))  # as training loads it
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     ids = torch.arange(8).unsqueeze(0)
