@@ -315,6 +315,10 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     layers = pick("fsdp_transformer_layer_cls_to_wrap", cfg.fsdp_transformer_layer_cls_to_wrap, env_layers, None)
     min_num_params = pick("fsdp_min_num_params", cfg.fsdp_min_num_params, env(_env_int, "FSDP_MIN_NUM_PARAMS"),
                           100_000_000)
+    if wrap == "SIZE_BASED_WRAP" and min_num_params < 1:
+        # Every module would then be a unit, those without parameters (activations, rotary embeddings) too.
+        raise ConfigError(f"fsdp_min_num_params must be at least 1 with SIZE_BASED_WRAP (a unit is a module holding "
+                          f"that many parameters not yet in a unit), got {min_num_params}")
     # Each policy reads one of the two keys: the other would be ignored without a word. (accelerate exports
     # fsdp_min_num_params whatever its policy, as 100000000 when its config leaves it out.)
     if wrap == "TRANSFORMER_BASED_WRAP" and cfg.fsdp_min_num_params is not None:

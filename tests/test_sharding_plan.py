@@ -226,6 +226,11 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
     ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
     ({}, ["--fsdp_min_num_params", "1000"], "fsdp_min_num_params is a SIZE_BASED_WRAP setting"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_min_num_params", "0"],
+     r"^fsdp_min_num_params must be at least 1 with SIZE_BASED_WRAP \(a unit is a module holding that many "
+     r"parameters not yet in a unit\), got 0$"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "-5"}, [],
+     "^fsdp_min_num_params must be at least 1 with SIZE_BASED_WRAP .*, got -5$"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP"],
      "fsdp_transformer_layer_cls_to_wrap is read by TRANSFORMER_BASED_WRAP, activation checkpointing and "
      "torch_compile, none of which this run uses"),
