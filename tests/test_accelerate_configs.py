@@ -54,6 +54,18 @@ def test_cpu_configs_are_found():
     assert CPU_CONFIGS == ["fsdp1_cpu.yaml", "fsdp2_ac_cpu.yaml", "fsdp2_cpu.yaml", "fsdp2_offload_cpu.yaml"]
 
 
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_each_cpu_config_has_its_gpu_configs_settings(name):
+    # As the README's table says: the one difference on purpose is fsdp2_ac_cpu.yaml's layers kept gathered.
+    def read(config):
+        return yaml.safe_load((REPO / "accelerate_configs" / config).read_text())
+    cpu, gpu = read(name), read(name.replace("_cpu", ""))
+    expected = {**gpu["fsdp_config"], "fsdp_reshard_after_forward": False} if name == "fsdp2_ac_cpu.yaml" else \
+        gpu["fsdp_config"]
+    assert cpu["fsdp_config"] == expected
+    assert cpu["mixed_precision"] == gpu["mixed_precision"]
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_key_is_one_accelerate_reads(name):
     """accelerate drops a key it does not know without a word (a misspelled fsdp_config key would never reach the
