@@ -183,6 +183,14 @@ def checkpoint_generation_config(path: str) -> GenerationConfig:
         return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
 
 
+def check_attention_device(cfg: TrainConfig, device: torch.device) -> None:
+    """flex_attention on the CPU: an error before the model loads, not torch's traceback on every rank at the first
+    backward (its FlexAttention computes forward only there, as evaluation and generation would)."""
+    if cfg.attn_implementation == "flex_attention" and device.type == "cpu":
+        raise ConfigError("attn_implementation flex_attention trains on a GPU only (torch's FlexAttention has no "
+                          "backward on the CPU): on the CPU use sdpa, the default, or eager")
+
+
 def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.device) -> nn.Module:
     """The model sharded as `plan` says, with master weights in the plan's dtype.
 
@@ -190,6 +198,7 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
     on the meta device, shards it, allocates its own shards only, and rank 0 broadcasts the weights into them.
     """
     fsdp1.check_offload_device(plan, device)
+    check_attention_device(cfg, device)
     dtype = MASTER_DTYPE[plan.mixed_precision]
     if not plan.cpu_ram_efficient_loading:
         model = load_model(cfg, dtype)

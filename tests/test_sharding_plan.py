@@ -501,6 +501,20 @@ def test_fsdp1_offload_on_cpu_is_a_clear_error(monkeypatch, tmp_path):
             load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
 
 
+def test_flex_attention_on_cpu_is_a_clear_error_before_the_model_loads(tmp_path):
+    # torch's FlexAttention has no backward on the CPU: the first step would stop with its traceback on every rank.
+    from torch.nn.attention.flex_attention import flex_attention
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        flex_attention(q, q, q).sum().backward()
+    tiny_model().config.save_pretrained(tmp_path)  # no weights: the error must come before the load
+    cfg = parse_config(["--model_name_or_path", str(tmp_path), "--dataset_name", "d", "--attn_implementation",
+                        "flex_attention"])
+    with pytest.raises(ConfigError, match=r"^attn_implementation flex_attention trains on a GPU only .* on the CPU "
+                                          r"use sdpa, the default, or eager$"):
+        load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+
+
 def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_process(monkeypatch):
     # 1 rank per node: each shard group is 1 rank, which torch runs as NO_SHARD with no all-reduce across replicas.
     for key in ACCELERATE_DEFAULTS:
