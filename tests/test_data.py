@@ -1218,7 +1218,8 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     datasets.Dataset.from_list(ROWS).select([]).to_parquet(tmp_path / "empty.parquet")
     (tmp_path / "empty.csv").write_text("prompt,completion\n")
     (tmp_path / "empty.json").write_text(" [\n]\n")
-    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json"):
+    (tmp_path / "blank.json").write_text("\n")  # no array at all: nothing to index
+    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
