@@ -120,6 +120,12 @@ def test_a_recipes_own_keys_are_read_checked_and_overridden_like_the_others(tmp_
     with pytest.raises(TypeError, match="^config_class Undecorated must be decorated with @dataclass"):
         parse_config(["--config", cfg_file], config_class=Undecorated)
 
+    @dataclasses.dataclass
+    class Alone:  # its own keys without TrainConfig's: no model_name_or_path, nothing a recipe reads
+        min_answer_chars: int = 0
+    with pytest.raises(TypeError, match="^config_class must be a subclass of TrainConfig, got <class .*Alone'>$"):
+        parse_config(["--config", cfg_file], config_class=Alone)
+
 
 def test_unknown_yaml_key_is_named(tmp_path):
     cfg_file = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nlearning_rat: 1e-4\n")
