@@ -419,6 +419,17 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f"fsdp_recipes.new_recipe olmo2 --recipes_dir {tmp_path}/mine`$"):
         check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "olmo2"), "--dataset_name", "d"]),
                          {"llama": None}, str(tmp_path / "mine" / "my_sft.py"))
+    # Run as `python my_sft.py` there: its folder is ".", not an empty --recipes_dir.
+    with pytest.raises(ConfigError, match="or create one with `python -m fsdp_recipes.new_recipe olmo2 --recipes_dir "
+                                          r"\.`$"):
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "olmo2"), "--dataset_name", "d"]),
+                         {"llama": None}, "my_sft.py")
+    # A copy of gemma_sft.py there: Gemma 1 is told of the project's generic recipe by the path that runs from there.
+    shutil.copy(REPO / "recipes" / "gemma_sft.py", tmp_path / "mine")
+    with pytest.raises(ConfigError, match=f'is a gemma model: add "gemma" to MODEL_TYPES in '
+                                          f'{tmp_path}/mine/gemma_sft.py .* or run the generic {REPO}/recipes/sft.py$'):
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "gemma"), "--dataset_name", "d"]),
+                         {"gemma2": None, "gemma3_text": None}, str(tmp_path / "mine" / "gemma_sft.py"))
     monkeypatch.setattr(new_recipe_module, "REPO", str(tmp_path / "site-packages"))  # pip install . : no clone
     assert new_recipe_module.generic_recipe() == "recipes/sft.py (in a clone of the project)"
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
