@@ -1470,20 +1470,22 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
 
 def test_a_run_stopped_while_generating_its_samples_is_finished_by_a_resume(tiny, tmp_path):
     """A SIGTERM (or a failure) in sample generation comes after the export: final/ is complete and samples.jsonl is
-    not written. A resume finishes the run again for the samples (the same final/ and answers); then it is refused."""
-    args = recipe_args(tiny, tmp_path, "--max_steps", "2", "--generation_prompts", "abc", "--generation_max_new_tokens",
+    not written. A resume finishes the run again for the samples (the same final/ and answers); then it is refused.
+    The output_dir is relative (as the README's outputs/...): its final/ is also found, by its absolute path, beside
+    the checkpoint, and is the same folder."""
+    out = os.path.relpath(tmp_path, REPO)  # the recipe runs in REPO
+    args = recipe_args(tiny, out, "--max_steps", "2", "--generation_prompts", "abc", "--generation_max_new_tokens",
                        "4", "--resume_from_checkpoint", "auto")
     run([sys.executable, RECIPE, *args])
     samples, exported = (tmp_path / "samples.jsonl").read_text(), final_weights(tmp_path)
     (tmp_path / "samples.jsonl").unlink()  # what the stopped run leaves
     finished = run([sys.executable, RECIPE, *args])
-    assert (f"resume: {tmp_path / 'checkpoint-2'} is at the run's last step (2) and {tmp_path / 'final'} holds its "
-            f"export but {tmp_path} no samples.jsonl (this run's export replaces it): the run is finished from "
-            f"it") in finished.stdout
+    assert (f"resume: {out}/checkpoint-2 is at the run's last step (2) and {out}/final holds its export but {out} no "
+            f"samples.jsonl (this run's export replaces it): the run is finished from it") in finished.stdout
     assert (tmp_path / "samples.jsonl").read_text() == samples
     assert_same_weights(final_weights(tmp_path), exported)
     again = run([sys.executable, RECIPE, *args], expect_rc=2)
-    assert f"and {tmp_path / 'final'} holds its export: nothing is left to train" in again.stderr
+    assert f"and {out}/final holds its export: nothing is left to train" in again.stderr
 
 
 def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_export(tiny, tmp_path):
