@@ -1509,6 +1509,26 @@ def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_expo
     assert f"and {tmp_path / 'final'} holds its export: nothing is left to train" in again.stderr
 
 
+def test_a_resume_owes_the_samples_of_this_runs_export_alone(tiny, reference, tmp_path, one_process_group, capsys):
+    """output_dir's final/ without samples.jsonl: the export of the checkpoint (newer than it) is finished again for
+    its samples; an earlier export (older, of the run before max_steps was raised) is replaced, and said so."""
+    out = tmp_path / "out"
+    shutil.copytree(reference / "checkpoint-6", out / "checkpoint-6")  # copystat: the mtimes of the reference run
+    shutil.copytree(reference / "final", out / "final")
+    (out / "latest").write_text("checkpoint-6")
+    cfg, model, tokenizer, data = resume_inputs(  # the checkpoint's global batch of 2 ranks x 4 x 2, on 1 rank
+        tiny, "--resume_from_checkpoint", "auto", "--output_dir", out, "--gradient_accumulation_steps", "4",
+        "--generation_prompts", "abc")
+    assert resolve_resume(cfg, model, tokenizer, data) == str(out / "checkpoint-6")
+    assert (f"and {out / 'final'} holds its export but {out} no samples.jsonl (this run's export replaces it): the run "
+            f"is finished from it") in capsys.readouterr().out
+    saved = os.path.getmtime(out / "checkpoint-6" / "trainer_state.json")
+    os.utime(out / "final", (saved - 60, saved - 60))
+    assert resolve_resume(cfg, model, tokenizer, data) == str(out / "checkpoint-6")
+    assert (f"and {out / 'final'} holds an earlier export, older than the checkpoint (this run's export replaces "
+            f"it): the run is finished from it") in capsys.readouterr().out
+
+
 def resume_inputs(tiny, *args):
     """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
