@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import select
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 # The suite runs on the CPU (gloo) even where there are GPUs, as in CI: its 2-process launches would otherwise put
@@ -39,6 +44,30 @@ def subprocess_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
+
+
+def run_on_terminal(cmd: list, timeout: int = 600, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
+    """Run cmd with stdout and stderr on a pseudo-terminal of `columns` columns (200: as in a shell); its stdout is
+    what the terminal received."""
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50 if columns else 0, columns, 0, 0))
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    received, deadline = [], time.monotonic() + timeout
+    while select.select([leader], [], [], max(deadline - time.monotonic(), 0))[0]:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: every process that held the terminal has exited
+            break
+        received.append(chunk)
+    os.close(leader)
+    if time.monotonic() > deadline:
+        proc.kill()
+    output = b"".join(received).decode(errors="replace")
+    if proc.wait() != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- terminal ---\n{output[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=output, stderr="")
 
 
 def run(cmd: list[str], expect_rc: int = 0, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:

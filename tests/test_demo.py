@@ -4,7 +4,7 @@ import json
 import re
 import sys
 
-from conftest import read_metrics, run
+from conftest import read_metrics, run, run_on_terminal
 
 
 def make_demo(tmp_path):
@@ -71,7 +71,7 @@ def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
         assert proc.stderr.splitlines()[-1] == f"python -m fsdp_recipes.demo evaluate: error: {message}"
 
 
-def test_prepare_and_evaluate_draw_no_bars_into_a_log_file(tmp_path):
+def test_prepare_and_evaluate_draw_bars_on_a_terminal_and_none_into_a_log_file(tmp_path):
     # `make demo > demo.log`: transformers' saving and loading bars are a terminal's, as in the recipe.
     demo = [sys.executable, "-m", "fsdp_recipes.demo"]
     prepared = run([*demo, "prepare", "--out_dir", tmp_path, "--n_train", "4", "--n_eval", "2"])
@@ -79,6 +79,10 @@ def test_prepare_and_evaluate_draw_no_bars_into_a_log_file(tmp_path):
     assert prepared.stdout == f"demo: wrote {tmp_path}/base_model, 4 train and 2 held-out examples\n"
     assert evaluated.stdout == f"demo: held-out accuracy of {tmp_path}/base_model: 0.0% (0/2)\n"
     assert "it/s" not in prepared.stderr + evaluated.stderr, prepared.stderr + evaluated.stderr
+    # On a terminal they are drawn.
+    on_terminal = run_on_terminal([*demo, "evaluate", "--model", tmp_path / "base_model", "--data",
+                                   tmp_path / "eval.jsonl"])
+    assert "\rLoading weights: 100%" in on_terminal.stdout, on_terminal.stdout
 
 
 def test_make_clean_removes_the_venv_and_demo_folder_it_is_given(tmp_path):

@@ -8,12 +8,9 @@ import json
 import math
 import os
 import re
-import select
 import struct
-import subprocess
 import sys
 import termios
-import time
 import types
 
 import pytest
@@ -22,7 +19,7 @@ import wandb
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
+from conftest import REPO, read_metrics, run, run_on_terminal, torchrun, write_tiny_model
 from fsdp_recipes import progress, trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
@@ -41,30 +38,6 @@ from wandb_records import read_records, run_summary
 RECIPE = "recipes/llama_sft.py"
 DRIVER = REPO / "tests" / "drivers" / "observe_run.py"
 PROMPTS = ["reverse: abcd", "reverse: deadbeef"]
-
-
-def run_on_terminal(cmd: list, timeout: int = 600, columns: int = 200, **env: str) -> subprocess.CompletedProcess:
-    """Run cmd with stdout and stderr on a pseudo-terminal of `columns` columns (200: as in a shell); its stdout is
-    what the terminal received."""
-    leader, follower = os.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50 if columns else 0, columns, 0, 0))
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=subprocess_env(**env), stdin=subprocess.DEVNULL,
-                            stdout=follower, stderr=follower)
-    os.close(follower)
-    received, deadline = [], time.monotonic() + timeout
-    while select.select([leader], [], [], max(deadline - time.monotonic(), 0))[0]:
-        try:
-            chunk = os.read(leader, 1 << 16)
-        except OSError:  # EIO: every process that held the terminal has exited
-            break
-        received.append(chunk)
-    os.close(leader)
-    if time.monotonic() > deadline:
-        proc.kill()
-    output = b"".join(received).decode(errors="replace")
-    if proc.wait() != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- terminal ---\n{output[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=output, stderr="")
 
 
 @pytest.fixture(scope="module")
