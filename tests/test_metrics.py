@@ -354,6 +354,9 @@ def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
     assert run([sys.executable, "-c", check], RANK="1", **no_key).stdout == "False\n"
     proc = run([sys.executable, "-c", check], expect_rc=1, RANK="0", **no_key)
     assert "no W&B API key is configured" in proc.stderr
+    # Offline or disabled, W&B needs no key: the run goes on.
+    for mode in ("offline", "disabled"):
+        assert run([sys.executable, "-c", check], RANK="0", **{**no_key, "WANDB_MODE": mode}).stdout == "True\n"
 
 
 def test_a_wandb_run_that_cannot_start_stops_every_rank_with_its_error(tiny, tmp_path):
