@@ -256,10 +256,13 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
     global_batch = env.world_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     left_out = len(train_dataset) - steps_per_epoch * global_batch
+    one = left_out == 1  # 'the 1 that does not fill a global batch of 8 is left out'
     print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
-                f"x {cfg.per_device_train_batch_size} sequences on {'each of ' if env.world_size > 1 else ''}{ranks(env.world_size)}"
+                f"x {cfg.per_device_train_batch_size} sequences on {'each of ' if env.world_size > 1 else ''}"
+                f"{ranks(env.world_size)}"
                 + (f"; an epoch trains {len(train_dataset) - left_out} of its {len(train_dataset)} sequences (the "
-                   f"{left_out} that do{'es' if left_out == 1 else ''} not fill a global batch of {global_batch} are left out, others each epoch)"
+                   f"{left_out} that {'does' if one else 'do'} not fill a global batch of {global_batch} "
+                   f"{'is' if one else 'are'} left out, others each epoch)"
                    if left_out else ""))
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 

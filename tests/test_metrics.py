@@ -219,7 +219,7 @@ def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny,
     trainer.train(cfg, env, shard_model(load_model(cfg), resolve_plan(cfg)), tokenizer, train_data,
                   MetricsLogger(cfg, is_main=True))
     assert ("training: 6 steps (0 of warm-up) of 2 x 4 sequences on 1 rank; an epoch trains 40 of its 41 "
-            "sequences (the 1 that does not fill a global batch of 8 are left out, others each epoch)"
+            "sequences (the 1 that does not fill a global batch of 8 is left out, others each epoch)"
             in capsys.readouterr().out)
     assert [m["epoch"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [step / 5 for step in range(1, 7)]
     for step in (5, 6):
