@@ -1219,7 +1219,8 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     (tmp_path / "empty.csv").write_text("prompt,completion\n")
     (tmp_path / "empty.json").write_text(" [\n]\n")
     (tmp_path / "blank.json").write_text("\n")  # no array at all: nothing to index
-    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json"):
+    (tmp_path / "empty.json.gz").write_bytes(gzip.compress(b"[]"))  # not empty once compressed, nor decompressed
+    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json", "empty.json.gz"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
