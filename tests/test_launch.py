@@ -276,6 +276,28 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
     assert not (bin_dir / "srun.args").exists()
 
 
+def test_a_requeued_job_resumes_its_run(tmp_path):
+    """SLURM runs a requeued job (pre-emption with PreemptMode=REQUEUE, a failed node) with the first job's arguments:
+    without --resume_from_checkpoint the recipe would refuse the checkpoints the first job saved."""
+    bin_dir = fake_slurm(tmp_path / "bin", '#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\n')
+    slurm = dict(SLURM_NNODES="2", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def recipe_args(*args: str, **env: str) -> tuple[list[str], str]:
+        proc = run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl", *args], **slurm, **env)
+        srun_args = (bin_dir / "srun.args").read_text().splitlines()
+        return srun_args[srun_args.index("--config") + 2:], proc.stdout
+
+    assert recipe_args() == (["--dataset_name", "d.jsonl"], "")
+    assert recipe_args(SLURM_RESTART_COUNT="0") == (["--dataset_name", "d.jsonl"], "")
+    assert recipe_args(SLURM_RESTART_COUNT="2") == (
+        ["--dataset_name", "d.jsonl", "--resume_from_checkpoint", "auto"],
+        "requeued (SLURM_RESTART_COUNT=2): the recipe continues with --resume_from_checkpoint auto\n")
+    # A checkpoint of the user's is kept, in either spelling.
+    for given in (["--resume_from_checkpoint", "auto"], ["--resume_from_checkpoint=out/checkpoint-4"]):
+        assert recipe_args(*given, SLURM_RESTART_COUNT="1") == (["--dataset_name", "d.jsonl", *given], "")
+
+
 def test_one_node_meets_on_master_port(tiny, tmp_path):
     """A one-node job: accelerate gives c10d no address there, so it would take torch's fixed port 29400 and collide
     with another job on the node. The sbatch script runs while a listener holds 29400 (another job's, or this
