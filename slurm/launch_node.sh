@@ -12,6 +12,19 @@ set -euo pipefail
 : "${NNODES:?the number of nodes}" "${NODE_RANK:?this node: 0 to NNODES-1}" "${GPUS_PER_NODE:?processes per node}"
 : "${MASTER_ADDR:?the address of node 0, reachable from every node}" "${MASTER_PORT:?a free port on node 0}"
 ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/fsdp2_hsdp_multinode.yaml}
+# Else accelerate's FileNotFoundError traceback on every node.
+if [ ! -f "$ACCELERATE_CONFIG" ]; then
+    echo "error: ACCELERATE_CONFIG $ACCELERATE_CONFIG: no such file in $PWD (run from the repository's root, or set" \
+        "ACCELERATE_CONFIG to the config's path)" >&2
+    exit 2
+fi
+# Counted from 1 (nodes 1 and 2), no node would host the rendezvous: each would wait 10 minutes for it, then fail.
+if ! [[ $NNODES =~ ^[1-9][0-9]*$ && $GPUS_PER_NODE =~ ^[1-9][0-9]*$ && $NODE_RANK =~ ^[0-9]+$ ]] ||
+        [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "error: NNODES=$NNODES, GPUS_PER_NODE=$GPUS_PER_NODE and NODE_RANK=$NODE_RANK: the first two must be" \
+        "positive whole numbers, NODE_RANK one from 0 to NNODES-1" >&2
+    exit 2
+fi
 
 # On one node accelerate gives c10d no address, and it would take torch's fixed port 29400 instead of MASTER_PORT,
 # colliding with any other job on the node: torchrun's static rendezvous on MASTER_PORT there.

@@ -105,6 +105,37 @@ def launch_node_env(tmp_path, nnodes: int, gpus_per_node: int, **env: str) -> di
     return env
 
 
+def test_launch_node_refuses_what_would_fail_late(tmp_path):
+    """A config path that is not there (misspelt, or launch_node.sh run from outside the repository's root) would be
+    accelerate's traceback on every node; node ranks counted from 1 would leave the rendezvous without a host, each
+    node waiting 10 minutes for it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text(ACCELERATE)
+    (bin_dir / "accelerate").chmod(stat.S_IRWXU)
+    nodes = dict(NNODES="2", NODE_RANK="1", GPUS_PER_NODE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    def launch_node(cwd=REPO, **env: str) -> str:
+        proc = subprocess.run(["bash", str(REPO / "slurm" / "launch_node.sh"), "recipes/llama_sft.py"], cwd=cwd,
+                              env=subprocess_env(**{**nodes, **env}), capture_output=True, text=True)
+        assert proc.returncode == 2 and not (bin_dir / "accelerate.args").exists()
+        return proc.stderr
+
+    assert launch_node(ACCELERATE_CONFIG="accelerate_configs/fsdp2_cpu.yml") == (
+        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2_cpu.yml: no such file in {REPO} (run from the "
+        "repository's root, or set ACCELERATE_CONFIG to the config's path)\n")
+    assert launch_node(cwd=tmp_path) == (
+        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2_hsdp_multinode.yaml: no such file in {tmp_path} (run "
+        "from the repository's root, or set ACCELERATE_CONFIG to the config's path)\n")
+    for wrong in [dict(NODE_RANK="2"), dict(NODE_RANK="-1"), dict(NNODES="two"), dict(GPUS_PER_NODE="0")]:
+        values = {**nodes, **wrong}
+        assert launch_node(**wrong) == (
+            f"error: NNODES={values['NNODES']}, GPUS_PER_NODE={values['GPUS_PER_NODE']} and "
+            f"NODE_RANK={values['NODE_RANK']}: the first two must be positive whole numbers, NODE_RANK one from 0 to "
+            "NNODES-1\n")
+
+
 def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
     """Node 0's launcher hosts the rendezvous store; another node's waits read_timeout seconds for it (torch's
     default, 60 s, gave up after about 2.5 minutes), node 0's waits join_timeout for the others (torch's default,
