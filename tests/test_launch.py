@@ -4,6 +4,7 @@ And what slurm/launch_node.sh asks of accelerate, through accelerate's and torch
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import stat
@@ -158,6 +159,29 @@ def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
         handlers.append(create_handler(store, backend, params))
         assert store.timeout == timedelta(seconds=600)
         assert handlers[-1].settings.timeout.join == timedelta(seconds=600)
+
+
+def test_the_process_group_meets_on_a_port_of_rank_0_s_node(tmp_path):
+    """The README: MASTER_PORT is the rendezvous' alone; the ranks' own store is on rank 0's node, at its hostname and
+    a port torch picks."""
+    script = tmp_path / "show_env.py"
+    script.write_text("import json, os\nprint(json.dumps({k: os.environ[k] for k in ['RANK', 'MASTER_ADDR', "
+                      "'MASTER_PORT']}))\n")
+    port = free_port()
+    nodes = dict(NNODES="2", GPUS_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                 ACCELERATE_CONFIG="accelerate_configs/fsdp2_cpu.yaml",
+                 PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    launch = [["bash", "slurm/launch_node.sh", str(script)]] * 2
+    node1 = subprocess.Popen(launch[1], cwd=REPO, env=subprocess_env(**nodes, NODE_RANK="1"), stdout=subprocess.PIPE,
+                             text=True)
+    node0 = run(launch[0], timeout=120, **nodes, NODE_RANK="0")
+    assert node1.wait(timeout=120) == 0
+    seen = [json.loads(line) for line in node0.stdout.splitlines() + node1.stdout.read().splitlines()
+            if line.startswith("{")]
+    node1.stdout.close()
+    assert sorted(rank["RANK"] for rank in seen) == ["0", "1"]
+    [(address, rank_0_port)] = {(rank["MASTER_ADDR"], rank["MASTER_PORT"]) for rank in seen}
+    assert address == socket.getfqdn() and rank_0_port != str(port)
 
 
 def test_the_launchers_give_their_ranks_the_time_sigterm_comes_early(tmp_path, monkeypatch):
