@@ -25,6 +25,9 @@ def run_main(main: Callable[[], None]) -> NoReturn:
         if not dist.is_initialized() or dist.get_rank() == 0:
             sys.stderr.write(f"{stop}\n")
         _finish_wandb(exit_code=SIGTERM_EXIT_CODE)
+        if dist.is_initialized():
+            # A rank's exit makes its launcher stop the others at once: rank 0's W&B upload would be cut off.
+            dist.barrier()
         exit_process(SIGTERM_EXIT_CODE)
     except FailedOnRank0 as error:  # rank 0 prints the traceback
         sys.stderr.write(f"error: {error}\n")

@@ -1979,6 +1979,17 @@ def test_sigterm_stops_every_rank_after_a_saved_step_that_resumes_exactly(tiny, 
     assert_same_weights(final_weights(tmp_path), final_weights(reference))
 
 
+def test_a_sigterm_stop_lets_rank_0_finish_its_wandb_run_before_any_rank_exits(tiny, tmp_path):
+    """A rank's exit (143) makes its launcher stop the others at once, rank 0 too while it still uploads its W&B run
+    (which W&B then marks crashed, its last data lost): every rank waits for rank 0's W&B run to finish."""
+    args = recipe_args(tiny, tmp_path / "run", "--save_steps", "100", "--max_steps", "100", "--report_to", "wandb")
+    launch = [*TORCHRUN, "tests/drivers/slow_wandb_finish.py"]
+    code, output = sigterm_after_first_log(args, (1,), False, tmp_path / "run", launch)
+    assert sorted(re.findall(r"rank +: ([01]) \(local_rank: [01]\)\n +exitcode +: ([0-9]+)", output)) == [
+        ("0", "143"), ("1", "143")], output
+    assert (tmp_path / "run" / "wandb_finished").read_text() == "143", output
+
+
 def test_accelerate_launch_given_a_sigterm_exits_with_the_code_the_readme_gives(tiny, tmp_path):
     """accelerate 1.16 exits 128 + SIGTERM where torchrun exits 1; the README gave 1 for every launcher."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/fsdp2_cpu.yaml",
