@@ -228,3 +228,8 @@ def print_rank0(*args, **kwargs) -> None:
 def ranks(count: int) -> str:
     """'1 rank', '2 ranks': a one-process run reads as one in the messages."""
     return f"{count} rank{'s' if count != 1 else ''}"
+
+
+def on_each_rank(count: int) -> str:
+    """'on 1 rank', 'on each of 2 ranks'."""
+    return f"on {'each of ' if count > 1 else ''}{ranks(count)}"

@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 
 from .config import ConfigError, TrainConfig
-from .distributed import ranks
+from .distributed import on_each_rank
 
 
 def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
     """The run's optimizer steps: max_steps, or num_train_epochs times the steps one epoch of `dataset` gives."""
     if len(dataset) < world_size * cfg.per_device_train_batch_size:
-        raise ConfigError(f"{len(dataset)} examples cannot fill one batch of {cfg.per_device_train_batch_size} on "
-                          f"{'each of ' if world_size > 1 else ''}{ranks(world_size)}: lower "
-                          f"per_device_train_batch_size or add data")
+        raise ConfigError(f"{len(dataset)} examples cannot fill one batch of {cfg.per_device_train_batch_size} "
+                          f"{on_each_rank(world_size)}: lower per_device_train_batch_size or add data")
     # The micro-batches build_dataloader gives each rank: its DistributedSampler and DataLoader both drop_last.
     micro_batches_per_epoch = len(dataset) // world_size // cfg.per_device_train_batch_size
     steps_per_epoch = micro_batches_per_epoch // cfg.gradient_accumulation_steps

@@ -22,7 +22,7 @@ from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
                    model_inputs, optimizer_step_batches)
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
-from .distributed import DistEnv, SigtermNote, StoppedBySigterm, print_rank0, ranks, sigterm_noted
+from .distributed import DistEnv, SigtermNote, StoppedBySigterm, on_each_rank, print_rank0, sigterm_noted
 from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
 from .generation import check_generation_prompts
@@ -258,8 +258,7 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     left_out = len(train_dataset) - steps_per_epoch * global_batch
     one = left_out == 1  # 'the 1 that does not fill a global batch of 8 is left out'
     print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
-                f"x {cfg.per_device_train_batch_size} sequences on {'each of ' if env.world_size > 1 else ''}"
-                f"{ranks(env.world_size)}"
+                f"x {cfg.per_device_train_batch_size} sequences {on_each_rank(env.world_size)}"
                 + (f"; an epoch trains {len(train_dataset) - left_out} of its {len(train_dataset)} sequences (the "
                    f"{left_out} that {'does' if one else 'do'} not fill a global batch of {global_batch} "
                    f"{'is' if one else 'are'} left out, others each epoch)"
