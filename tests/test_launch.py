@@ -6,10 +6,12 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
@@ -204,6 +206,33 @@ def test_the_launchers_give_their_ranks_the_time_sigterm_comes_early(tmp_path, m
         "--training_script", args.training_script, "--training_script_args", args.training_script_args]))[0]
     if torch.__version__ >= "2.12":  # torch 2.11 kills the ranks 30 s after the launcher's SIGTERM
         assert launcher.shutdown_timeout == 120
+
+
+def test_a_preemption_sigterm_to_the_batch_script_reaches_srun(tmp_path):
+    """SLURM signals the batch script too at a pre-emption: the script is srun (exec), which passes the signal on to
+    the launchers, where a shell waiting for srun would die of it and end the job; and a requeued job, of the same
+    job id, appends to its log."""
+    assert "#SBATCH --open-mode=append" in (REPO / "slurm" / "sft_multinode.sbatch").read_text().splitlines()
+    # srun records its pid, then waits for a SIGTERM, which it records.
+    bin_dir = fake_slurm(tmp_path / "bin", '#!/bin/bash\ntrap \'echo TERM > "$0.term"; kill $!; exit 143\' TERM\n'
+                                           'echo $$ > "$0.pid"\nsleep 60 & wait\n')
+    env = subprocess_env(SLURM_NNODES="2", SLURM_CPUS_PER_TASK="1", SLURM_JOB_NODELIST="node[0-1]", SLURM_JOB_ID="1",
+                         PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    log = tmp_path / "fsdp-sft-1.out"  # a file, as SLURM's: a pipe would stay open in a child the script left
+    with open(log, "w") as out, subprocess.Popen(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl"],
+                                                 cwd=REPO, env=env, stdout=out) as script:
+        for _ in range(200):
+            if (bin_dir / "srun.pid").is_file() and (bin_dir / "srun.pid").read_text().strip():
+                break
+            time.sleep(0.05)
+        srun_pid = int((bin_dir / "srun.pid").read_text())
+        script.terminate()
+        script.wait(timeout=30)
+    if srun_pid != script.pid:  # a child of the dead script, still waiting
+        os.kill(srun_pid, signal.SIGTERM)
+    assert (srun_pid, script.returncode, (bin_dir / "srun.term").is_file()) == (script.pid, 143, True)
+    assert log.read_text() == ("running recipes/llama_sft.py --config recipes/configs/llama_sft.yaml on 2 nodes of 8 "
+                               "GPUs (rendezvous 127.0.0.1:20001)\n")
 
 
 @pytest.mark.parametrize("accelerate_config, recipe_args, mesh", [
