@@ -9,6 +9,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 from typing import Optional
 
 import torch.distributed as dist
@@ -185,6 +186,19 @@ def remove_earlier_run(cfg: TrainConfig) -> None:
                 os.remove(path)
 
     run_on_rank0(remove, f"to remove the earlier run in {cfg.output_dir}")
+
+
+def check_earlier_run_removed(cfg: TrainConfig) -> None:
+    """Before the first step: a recipe copied before remove_earlier_run existed never calls it, and retention would
+    then mix the earlier run's checkpoints with this run's."""
+    left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
+    if left:
+        recipes_dir = os.path.dirname(os.path.abspath(sys.argv[0]))  # the running recipe's folder, wherever copied
+        raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
+                          f"earlier run: the recipe must call "
+                          f"remove_earlier_run(cfg) (fsdp_recipes.output_dir) after resolve_resume, as "
+                          f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
+                          f"{recipes_dir}` updates the recipes there")
 
 
 def check_wandb_project(cfg: TrainConfig) -> None:

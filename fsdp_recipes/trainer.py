@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import re
-import sys
 import time
 
 import torch
@@ -16,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
-from .checkpoint import (load_checkpoint, point_latest_at, previous_run, resolve_state_dict_type, save_checkpoint,
+from .checkpoint import (load_checkpoint, point_latest_at, resolve_state_dict_type, save_checkpoint,
                          training_data_identity)
 from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
@@ -27,6 +25,7 @@ from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
 from .generation import check_generation_prompts
 from .metrics import MetricsLogger
+from .output_dir import check_earlier_run_removed
 from .progress import TrainingProgress, use_progress_bars
 from .schedule import count_total_steps
 from .sharding import gradient_sync, original_ndims, reshard
@@ -218,15 +217,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
 
 def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
                 resume_from: str | None, eval_dataset, sigterm: SigtermNote) -> None:
-    left = previous_run(cfg.output_dir) if cfg.overwrite_output_dir else []
-    if left:
-        # A recipe copied before output_dir.remove_earlier_run existed: retention would mix the two runs' checkpoints.
-        recipes_dir = os.path.dirname(os.path.abspath(sys.argv[0]))  # the running recipe's folder, wherever copied
-        raise ConfigError(f"overwrite_output_dir true, but {cfg.output_dir} still holds {', '.join(left)} of the "
-                          f"earlier run: the recipe must call "
-                          f"remove_earlier_run(cfg) (fsdp_recipes.output_dir) after resolve_resume, as "
-                          f"recipes/llama_sft.py does; `python -m fsdp_recipes.new_recipe --sync --recipes_dir "
-                          f"{recipes_dir}` updates the recipes there")
+    check_earlier_run_removed(cfg)
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     check_generation_prompts(cfg, tokenizer, model)  # found now, not when final/ answers them after the run
     if cfg.packing:
