@@ -139,7 +139,8 @@ def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh:
 
 
 def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | None = None) -> nn.Module:
-    """Activation checkpointing, then sharding; returns the model to train (FSDP1 wraps it, FSDP2 shards in place).
+    """Activation checkpointing and torch.compile of the decoder layers, and sharding; returns the model to train
+    (FSDP1 wraps it, FSDP2 shards in place). FSDP2 shards the checkpointed layers; FSDP1 checkpoints inside its units.
 
     Records in `plan` what was wrapped, on which mesh, and the parameter count before sharding.
     """
