@@ -1,4 +1,5 @@
-"""FSDP1: `FullyShardedDataParallel` with an auto-wrap policy (decoder layer classes, or size)."""
+"""FSDP1: `FullyShardedDataParallel` around each unit sharding.py chose (decoder layers, or modules chosen by size),
+then the root."""
 
 from __future__ import annotations
 
