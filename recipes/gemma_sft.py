@@ -14,8 +14,9 @@ Gemma 2: recipes/configs/gemma2_sft.yaml. What is particular to Gemma, and teste
 - The chat templates have no system role: Gemma 2's raises an error on one, Gemma 3's merges it into the first
   user turn.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

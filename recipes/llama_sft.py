@@ -6,8 +6,9 @@
 Llama 3.2 1B and 3B tie the input embedding and lm_head: the tied weight lives in the root FSDP group and is
 exported once. Llama 3.1 8B and 70B do not tie.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

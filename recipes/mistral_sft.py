@@ -7,8 +7,9 @@ Sliding-window attention: Mistral 7B v0.1 attends to the last 4,096 tokens only 
 v0.2 and v0.3 set it to null). transformers builds that mask for sdpa, eager and flash attention alike, packed
 sequences included; the test checks that a token beyond the window does not change the logits.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

@@ -7,8 +7,9 @@ Phi-3 fuses the attention projections (qkv_proj) and the MLP's gate and up proje
 one parameter of its decoder layer, sharded like any other. Phi-3-mini-4k sets sliding_window 2047 in config.json,
 which transformers applies.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

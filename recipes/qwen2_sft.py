@@ -7,8 +7,9 @@ Qwen2.5 up to 3B ties the input embedding and lm_head (one weight in the root FS
 attention projections have biases (1-D, so without weight decay). Sliding-window attention is off unless
 config.json sets use_sliding_window.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

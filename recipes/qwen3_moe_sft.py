@@ -14,8 +14,9 @@ What is particular to a mixture of experts, and tested:
   one batch; HF's Trainer weighs it gradient_accumulation_steps x world size times more), logged as
   router_aux_loss. Without it the router may send most tokens to a few experts.
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc

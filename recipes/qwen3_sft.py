@@ -7,8 +7,9 @@ Qwen3 up to 4B ties the input embedding and lm_head (one weight in the root FSDP
 and k_norm are 1-D (no weight decay). Chat template: the last assistant turn is rendered with an empty
 <think></think> block, which is then part of the trained answer (non-thinking mode).
 
-Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy (README, "Adding a
-family"); change MODEL_TYPES below and the defaults in the YAML config. The shared part stays as it is.
+Copying this recipe for another family: `make new-recipe MODEL=<model_type>` writes the copy, with MODEL_TYPES set
+to that model type (README, "Adding a family"); then set the defaults in its YAML config. The shared part stays as
+it is.
 """
 
 import gc
