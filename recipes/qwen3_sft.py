@@ -74,8 +74,8 @@ def main():
         # Export: a folder that AutoModelForCausalLM.from_pretrained loads; then sample answers from it, if asked.
         save_hf_model(model, tokenizer, os.path.join(cfg.output_dir, "final"), export_dtype(cfg), cfg.max_shard_size)
         print_rank0(f"saved {cfg.output_dir}/final")
-        # Rank 0's shards make room on its GPU for the whole exported model that generation loads. FSDP's modules
-        # and hooks refer to each other, so only the garbage collector frees them.
+        # The sharded model is freed: generation loads the whole exported model onto rank 0's GPU. FSDP's modules and
+        # hooks refer to each other, so only the garbage collector frees them.
         make_collectable(model)
         del model
         gc.collect()
