@@ -113,7 +113,8 @@ def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
 
 
 def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The whole model on every rank, in `dtype`: these are the master weights that the optimizer updates."""
+    """The whole model in this process (every rank, or rank 0 alone with cpu_ram_efficient_loading), in `dtype`:
+    these are the master weights that the optimizer updates."""
     overrides, saved_values = model_config_overrides(cfg)
     try:
         with transformers_initialises_every_weight():
