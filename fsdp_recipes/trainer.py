@@ -114,7 +114,9 @@ def any_rank_received_sigterm(sigterm_received: bool) -> bool:
     return flag.item() > 0
 
 
-def stop_message(step: int, checkpoint: str | None, trained: bool = True) -> str:
+def stop_message(step: int, checkpoint: str | None, trained: bool) -> str:
+    """What a SIGTERM stop prints: `checkpoint` is the one the stop saved (None: the run saves none), or, for a run
+    that trained no step, the one it resumed from."""
     if not trained:  # the checkpoint resumed from holds the run; `auto` misses one outside output_dir
         return (f"stopped by SIGTERM after step {step}, before the run's end: nothing trained, so nothing saved; "
                 f"resume with --resume_from_checkpoint {checkpoint}")
