@@ -34,3 +34,18 @@ def count_total_steps(cfg: TrainConfig, dataset, world_size: int) -> int:
 def check_run_length(cfg: TrainConfig, dataset, world_size: int) -> None:
     """The run length's and the warm-up's errors, raised before the model loads rather than once training starts."""
     cfg.num_warmup_steps(count_total_steps(cfg, dataset, world_size))
+
+
+def describe_schedule(cfg: TrainConfig, total_steps: int, warmup_steps: int, steps_per_epoch: int, num_sequences: int,
+                      world_size: int) -> str:
+    """The line that opens training: its steps and batches, and the sequences an epoch leaves out (those that do not
+    fill a global batch; the sampler reshuffles, so others each epoch)."""
+    global_batch = world_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    left_out = num_sequences - steps_per_epoch * global_batch
+    one = left_out == 1  # 'the 1 that does not fill a global batch of 8 is left out'
+    return (f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
+            f"x {cfg.per_device_train_batch_size} sequences {on_each_rank(world_size)}"
+            + (f"; an epoch trains {num_sequences - left_out} of its {num_sequences} sequences (the "
+               f"{left_out} that {'does' if one else 'do'} not fill a global batch of {global_batch} "
+               f"{'is' if one else 'are'} left out, others each epoch)"
+               if left_out else ""))

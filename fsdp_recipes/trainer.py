@@ -20,14 +20,14 @@ from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
                    model_inputs, optimizer_step_batches)
 from .device_stats import flops_model, mfu, peak_memory_across_ranks
-from .distributed import DistEnv, SigtermNote, StoppedBySigterm, on_each_rank, print_rank0, sigterm_noted
+from .distributed import DistEnv, SigtermNote, StoppedBySigterm, print_rank0, sigterm_noted
 from .evaluation import eval_batches, perplexity
 from .flops import peak_flops, training_flops_per_token
 from .generation import check_generation_prompts
 from .metrics import MetricsLogger
 from .output_dir import check_earlier_run_removed
 from .progress import TrainingProgress, use_progress_bars
-from .schedule import count_total_steps
+from .schedule import count_total_steps, describe_schedule
 from .sharding import gradient_sync, original_ndims, reshard
 
 
@@ -247,15 +247,7 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.
     device_peak_flops = peak_flops(env.device)
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
-    global_batch = env.world_size * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    left_out = len(train_dataset) - steps_per_epoch * global_batch
-    one = left_out == 1  # 'the 1 that does not fill a global batch of 8 is left out'
-    print_rank0(f"training: {total_steps} steps ({warmup_steps} of warm-up) of {cfg.gradient_accumulation_steps} "
-                f"x {cfg.per_device_train_batch_size} sequences {on_each_rank(env.world_size)}"
-                + (f"; an epoch trains {len(train_dataset) - left_out} of its {len(train_dataset)} sequences (the "
-                   f"{left_out} that {'does' if one else 'do'} not fill a global batch of {global_batch} "
-                   f"{'is' if one else 'are'} left out, others each epoch)"
-                   if left_out else ""))
+    print_rank0(describe_schedule(cfg, total_steps, warmup_steps, steps_per_epoch, len(train_dataset), env.world_size))
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
     def evaluate_and_log(step: int) -> None:
