@@ -239,7 +239,8 @@ def load_sharded_model(cfg: TrainConfig, plan: ShardingPlan, device: torch.devic
         loaded["conversions"] = getattr(full, "_weight_conversions", None)
         return full.state_dict()
 
-    # Rank 0 reads (or downloads) the weights alone; the others get None, an empty dict that the broadcast fills.
+    # Rank 0 reads (or downloads) the weights alone; the others hold an empty dict: the broadcast below fills their
+    # shards, not the dict.
     full_state = run_on_rank0(read_weights, "to read the weights") or {}
     if loaded.get("conversions") is not None:  # rank 0, which writes the exports
         model._weight_conversions = loaded["conversions"]
