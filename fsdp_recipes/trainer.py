@@ -32,7 +32,8 @@ from .sharding import gradient_sync, original_ndims, reshard
 
 
 class TrainingDiverged(ConfigError):
-    """The global gradient norm is not finite: the optimizer step has turned weights into NaN."""
+    """The global gradient norm is not finite: the optimizer step has turned weights into NaN. A ConfigError: its fix
+    is in the config (learning rate, warm-up), and run_main prints it as one line on each rank, exit code 2."""
 
 
 def check_finite_grad_norm(grad_norm: float, step: int, last_checked: int, cfg: TrainConfig) -> None:
