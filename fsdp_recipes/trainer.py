@@ -220,6 +220,7 @@ def train(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dat
 
 def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, train_dataset, logger: MetricsLogger,
                 resume_from: str | None, eval_dataset, sigterm: SigtermNote) -> None:
+    # Checked before the first step: what would otherwise go wrong later in the run, or after it.
     check_earlier_run_removed(cfg)
     check_model_reads_data(model, tokenizer, cfg.max_seq_length, train_dataset, eval_dataset)
     check_generation_prompts(cfg, tokenizer, model)  # found now, not when final/ answers them after the run
@@ -227,6 +228,8 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
         check_packing_separates_examples(model, cfg, env.device)
         if getattr(model.config, "output_router_logits", False):
             check_packed_router_loss(model)
+
+    # Data, optimizer and schedule; a resumed run then loads their state from its checkpoint.
     loader = build_dataloader(train_dataset, cfg, tokenizer, env.rank, env.world_size,
                               pin_memory=env.device.type == "cuda")
     total_steps = count_total_steps(cfg, train_dataset, env.world_size)
