@@ -178,6 +178,7 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
         plan.units_in_compiled_layers = units_inside_layers(model, units, layer_classes)
     check_tied_parameters_share_a_unit(model, units)
     if plan.fsdp_version == 1:
+        # HYBRID_SHARD's 2-D mesh only: a 1-D mesh spans the default process group, which FSDP1 shards over without one.
         model = fsdp1.shard(model, units, plan, mesh if len(plan.mesh_shape) == 2 else None, device)
         if plan.activation_checkpointing:
             # After wrapping, inside each unit (as accelerate does): with the wrapper outside an FSDP1 unit,
