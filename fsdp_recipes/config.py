@@ -253,8 +253,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} is required: set it in the YAML config or pass --{name}")
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = self.per_device_train_batch_size
-        if self.wandb_project is None:  # as wandb.init reads it, which a project passed to it would override
+        # As wandb.init reads it, which a project passed to it would override; not read by a run that logs no W&B.
+        if self.wandb_project is None and self.report_to == "wandb":
             self.wandb_project = os.environ.get("WANDB_PROJECT") or "fsdp-recipes"
+            if not self.wandb_project.strip():
+                raise ConfigError(f"WANDB_PROJECT={self.wandb_project!r} names no W&B project: give it a name, unset "
+                                  f"it, or pass --wandb_project <name>")
         for name in ("wandb_project", "run_name"):  # online, W&B files an empty name under a default of its own
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ConfigError(f"{name} is empty: give it a name, or leave it out (null) for the default")

@@ -308,6 +308,11 @@ def test_the_wandb_project_defaults_to_the_environments_as_wandb_reads_it(monkey
     for key in ("wandb_project", "run_name"):
         with pytest.raises(ConfigError, match=f"^{key} is empty: give it a name, or leave it out"):
             parse_config(args + [f"--{key}", " "])
+    monkeypatch.setenv("WANDB_PROJECT", " ")
+    with pytest.raises(ConfigError, match=r"^WANDB_PROJECT=' ' names no W&B project: give it a name, unset it, or pass "
+                                          r"--wandb_project <name>$"):
+        parse_config(args)
+    assert parse_config(args[:-2]).wandb_project is None  # nor read for a run that logs no W&B
 
 
 def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the_feature_off(tmp_path):
