@@ -52,7 +52,7 @@ def _is_empty(path: str) -> bool:
         return next(itertools.islice(_csv_rows(path), 1, None), None) is None
     if _file_type(path) == ".json":
         with _open_text(path) as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).lstrip("\ufeff").lstrip()  # a byte order mark, which datasets' reader skips
         return not head or (head[0] == "[" and head[1:].lstrip()[:1] == "]")
     if path.lower().endswith(_COMPRESSIONS):
         with fsspec.open(path, "rb", compression="infer") as f:

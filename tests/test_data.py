@@ -1,6 +1,7 @@
 """Formats and loss masks, packing, sources and splits, per-rank loading, and clear errors for bad input."""
 
 import bz2
+import codecs
 import gzip
 import inspect
 import json
@@ -1220,7 +1221,9 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     (tmp_path / "empty.json").write_text(" [\n]\n")
     (tmp_path / "blank.json").write_text("\n")  # no array at all: nothing to index
     (tmp_path / "empty.json.gz").write_bytes(gzip.compress(b"[]"))  # not empty once compressed, nor decompressed
-    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json", "empty.json.gz"):
+    (tmp_path / "bom.json").write_bytes(codecs.BOM_UTF8 + b"[]")  # as Windows tools write UTF-8
+    for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json", "empty.json.gz",
+                 "bom.json"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
