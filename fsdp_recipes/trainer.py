@@ -256,7 +256,7 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
 
     def evaluate_and_log(step: int) -> None:
         eval_metrics = evaluate(model, eval_dataset, cfg, tokenizer, env)
-        logger.log({"step": step, **eval_metrics})
+        logger.log({"step": step, "epoch": step / steps_per_epoch, **eval_metrics})  # epoch: W&B's x-axis too
         progress.write(f"eval at step {step}: loss {eval_metrics['eval/loss']:.4f} "
                        f"perplexity {eval_metrics['eval/perplexity']:.3f}")
 

@@ -98,6 +98,9 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
         assert m["epoch"] == m["step"] / steps_per_epoch
         assert m["tokens_per_second_per_device"] == pytest.approx(m["tokens_per_second"] / 2)
         assert 0 < m["real_token_share"] <= 1 and m["step_time"] > 0 and m["grad_norm"] > 0
+    for m in evals:
+        assert m.keys() == {"step", "epoch", "eval/loss", "eval/perplexity"}
+        assert m["epoch"] == m["step"] / steps_per_epoch
 
     config = first["config"]
     assert config["learning_rate"] == 1e-5 and config["eval_fraction"] == 0.07 and config["max_steps"] == 4
