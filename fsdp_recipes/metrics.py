@@ -146,6 +146,11 @@ class MetricsLogger:
             self.wandb_run = run_on_rank0(lambda: start_wandb_run(cfg, run_config, resume_from),
                                           "to start the W&B run")
 
+    def add_to_config(self, values: dict) -> None:
+        """Add `values` (known once the data are loaded: the run's length) to the W&B run's config."""
+        if self.wandb_run is not None:
+            self.wandb_run.config.update(values, allow_val_change=True)  # a resumed run's length may change
+
     @property
     def wandb_run_state(self) -> dict[str, Optional[str]]:
         """The W&B run's id, project and entity by WANDB_STATE_KEYS, for each checkpoint; without W&B, those of the

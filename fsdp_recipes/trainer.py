@@ -252,6 +252,8 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     device_peak_flops = peak_flops(env.device)
     architecture = flops_model(model, cfg.trust_remote_code) if device_peak_flops else None
     print_rank0(describe_schedule(cfg, total_steps, warmup_steps, steps_per_epoch, len(train_dataset), env.world_size))
+    logger.add_to_config({"schedule": {"total_steps": total_steps, "warmup_steps": warmup_steps,
+                                       "steps_per_epoch": steps_per_epoch, "train_sequences": len(train_dataset)}})
     progress = TrainingProgress(total_steps, start_step, use_progress_bars(env.is_main))
 
     def evaluate_and_log(step: int) -> None:

@@ -112,6 +112,12 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
                                          "safetensors", "wandb", "fsdp-recipes"}
     assert "not installed" not in config["versions"].values()
     assert resumed["config"]["max_steps"] == 6
+    # The run's length in steps, as the training line gives it: the resumed run's is longer.
+    for run, total, launch in ((first, 4, "first"), (resumed, 6, "resumed")):
+        assert run["config"]["schedule"] == {"total_steps": total, "warmup_steps": 1,
+                                             "steps_per_epoch": steps_per_epoch,
+                                             "train_sequences": int(re.search(r"of its (\d+) sequences",
+                                                                              observed[launch].stdout)[1])}
 
 
 def test_logged_learning_rate_warms_up_for_the_yamls_fraction_of_the_run(observed):
