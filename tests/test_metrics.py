@@ -113,8 +113,8 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
     assert "not installed" not in config["versions"].values()
     assert resumed["config"]["max_steps"] == 6
     # The run's length in steps, as the training line gives it: the resumed run's is longer.
-    for run, total, launch in ((first, 4, "first"), (resumed, 6, "resumed")):
-        assert run["config"]["schedule"] == {"total_steps": total, "warmup_steps": 1,
+    for summary, total, launch in ((first, 4, "first"), (resumed, 6, "resumed")):
+        assert summary["config"]["schedule"] == {"total_steps": total, "warmup_steps": 1,
                                              "steps_per_epoch": steps_per_epoch,
                                              "train_sequences": int(re.search(r"of its (\d+) sequences",
                                                                               observed[launch].stdout)[1])}
