@@ -197,8 +197,13 @@ class MetricsLogger:
         """Sample generations ({"prompt", "completion"}): <output_dir>/samples.jsonl and a W&B table."""
         if not self.is_main:
             return
-        with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "w") as f:
+        # Written aside, then renamed: a samples.jsonl cut short by a kill would tell a resume that they were written.
+        path = os.path.join(os.path.dirname(self.path), "samples.jsonl")
+        with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(sample) + "\n" for sample in samples)
+            f.flush()
+            os.fsync(f.fileno())  # and on disk before the rename: a node lost right after must not leave it empty
+        os.replace(path + ".tmp", path)
         if self.wandb_run is not None:
             import wandb
 

@@ -23,7 +23,7 @@ from .progress import print_line
 
 # What a run writes into output_dir; --overwrite_output_dir removes these (and the folders SAVE_RE matches).
 _RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metrics.jsonl", "metrics.jsonl.tmp",
-                "samples.jsonl")
+                "samples.jsonl", "samples.jsonl.tmp")
 
 
 def check_shared_output_dir(out: str) -> None:

@@ -1469,20 +1469,24 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
 
 
 def test_a_run_stopped_while_generating_its_samples_is_finished_by_a_resume(tiny, tmp_path):
-    """A SIGTERM (or a failure) in sample generation comes after the export: final/ is complete and samples.jsonl is
-    not written. A resume finishes the run again for the samples (the same final/ and answers); then it is refused.
-    The output_dir is relative (as the README's outputs/...): its final/ is also found, by its absolute path, beside
-    the checkpoint, and is the same folder."""
+    """A SIGTERM, a failure or a kill in sample generation comes after the export: final/ is complete and
+    samples.jsonl is not written (a kill while writing it leaves no samples.jsonl cut short, which the resume would
+    take for written). A resume finishes the run again for the samples (the same final/ and answers); then it is
+    refused. The output_dir is relative (as the README's outputs/...): its final/ is also found, by its absolute
+    path, beside the checkpoint, and is the same folder."""
     out = os.path.relpath(tmp_path, REPO)  # the recipe runs in REPO
     args = recipe_args(tiny, out, "--max_steps", "2", "--generation_prompts", "abc", "--generation_max_new_tokens",
                        "4", "--resume_from_checkpoint", "auto")
-    run([sys.executable, RECIPE, *args])
-    samples, exported = (tmp_path / "samples.jsonl").read_text(), final_weights(tmp_path)
-    (tmp_path / "samples.jsonl").unlink()  # what the stopped run leaves
+    killed = run([sys.executable, "tests/drivers/ckpt_kill.py", "in_samples", 1, *args], expect_rc=-signal.SIGKILL)
+    [answer] = [line for line in killed.stdout.splitlines() if line.startswith("sample: ")]
+    assert not (tmp_path / "samples.jsonl").exists()
+    exported = final_weights(tmp_path)
     finished = run([sys.executable, RECIPE, *args])
     assert (f"resume: {out}/checkpoint-2 is at the run's last step (2) and {out}/final holds its export but {out} no "
             f"samples.jsonl (this run's export replaces it): the run is finished from it") in finished.stdout
-    assert (tmp_path / "samples.jsonl").read_text() == samples
+    assert answer in finished.stdout
+    [sample] = read_metrics(tmp_path / "samples.jsonl")
+    assert answer == f"sample: {sample['prompt']!r} -> {sample['completion']!r}"
     assert_same_weights(final_weights(tmp_path), exported)
     again = run([sys.executable, RECIPE, *args], expect_rc=2)
     assert f"and {out}/final holds its export: nothing is left to train" in again.stderr
@@ -1802,6 +1806,7 @@ def dropout_run(tiny, reference, tmp_path_factory):
         (root / "out" / name).mkdir()
     (root / "out" / "samples.jsonl").write_text("{}\n")
     (root / "out" / "metrics.jsonl.tmp").write_text("{}\n")  # a resume's rewrite, killed
+    (root / "out" / "samples.jsonl.tmp").write_text("{}\n")  # a run killed while writing its samples
     (root / "out" / "checkpoint-notes.txt").write_text("the best so far: checkpoint-best\n")
     args = [*recipe_args(tiny, root / "out", "--model_name_or_path", model, "--max_steps", "4"),
             "--overwrite_output_dir", "true"]

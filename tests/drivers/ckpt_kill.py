@@ -1,9 +1,10 @@
-"""Run the llama_sft recipe, and SIGKILL rank 1 at a chosen point, as a crash or a pre-emption would.
+"""Run the llama_sft recipe, and SIGKILL a rank at a chosen point, as a crash, a pre-emption or the OOM killer would.
 
-    torchrun --nproc_per_node 2 tests/drivers/ckpt_kill.py <after_checkpoint|during_save> <k> <recipe args...>
+    torchrun --nproc_per_node 2 tests/drivers/ckpt_kill.py <mode> <k> <recipe args...>
 
 after_checkpoint: rank 1 dies right after its k-th checkpoint is complete.
 during_save: rank 1 dies inside the k-th save, after writing its model shards and before the rename.
+in_samples: rank 0 dies while it writes the samples, their first bytes on disk (k is not used).
 """
 
 import os
@@ -13,6 +14,7 @@ import sys
 import torch.distributed as dist
 
 import fsdp_recipes.checkpoint
+import fsdp_recipes.metrics
 import fsdp_recipes.trainer
 
 mode, k = sys.argv[1], int(sys.argv[2])
@@ -20,8 +22,8 @@ sys.argv = ["llama_sft.py", *sys.argv[3:]]
 saves = {"count": 0}
 
 
-def kill_rank1() -> None:
-    if dist.get_rank() == 1:
+def kill_rank(rank: int) -> None:
+    if dist.get_rank() == rank:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -32,21 +34,33 @@ if mode == "after_checkpoint":
         path = save_checkpoint(*args, **kwargs)
         saves["count"] += 1
         if saves["count"] == k:
-            kill_rank1()
+            kill_rank(1)
         return path
 
     fsdp_recipes.trainer.save_checkpoint = save_then_kill
-else:
+elif mode == "during_save":
     get_optimizer_state_dict = fsdp_recipes.checkpoint.get_optimizer_state_dict
 
     def kill_in_kth_save(*args, **kwargs):
         # Called once per save, after the model shards are written and before the optimizer's.
         saves["count"] += 1
         if saves["count"] == k:
-            kill_rank1()
+            kill_rank(1)
         return get_optimizer_state_dict(*args, **kwargs)
 
     fsdp_recipes.checkpoint.get_optimizer_state_dict = kill_in_kth_save
+elif mode == "in_samples":
+    def open_then_kill(file, mode="r", *args, **kwargs):
+        f = open(file, mode, *args, **kwargs)
+        if os.path.basename(file).startswith("samples.jsonl") and "w" in mode:
+            f.write('{"prompt": ')
+            f.flush()
+            kill_rank(0)
+        return f
+
+    fsdp_recipes.metrics.open = open_then_kill  # the module's own open, before the builtin
+else:
+    sys.exit(f"unknown mode {mode}")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
 from llama_sft import main  # noqa: E402
