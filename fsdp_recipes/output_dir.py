@@ -179,13 +179,29 @@ def remove_earlier_run(cfg: TrainConfig) -> None:
         return
 
     def remove():
-        for path in earlier_run_outputs(cfg.output_dir):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+        # `latest` first, then each checkpoint and final/ under its .old name: a kill half-way leaves neither a
+        # `latest` naming a folder partly removed nor such a folder under a name a resume or from_pretrained takes
+        # (the next save, export or overwrite removes the .old ones).
+        paths = earlier_run_outputs(cfg.output_dir)
+        for path in sorted(paths, key=lambda path: os.path.basename(path) != LATEST_NAME):
+            if not os.path.lexists(path):
+                continue  # an earlier .old folder, removed to make room for its checkpoint's rename
+            if os.path.isdir(path) and not os.path.islink(path) and not path.endswith((".tmp", ".old")):
+                if os.path.lexists(path + ".old"):
+                    _remove(path + ".old")
+                os.replace(path, path + ".old")
+                path += ".old"
+            _remove(path)
 
     run_on_rank0(remove, f"to remove the earlier run in {cfg.output_dir}")
+
+
+def _remove(path: str) -> None:
+    """A folder and what it holds; a file or a symbolic link (not what it points to) alone."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def check_earlier_run_removed(cfg: TrainConfig) -> None:

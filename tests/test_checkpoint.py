@@ -1832,6 +1832,27 @@ def test_overwrite_output_dir_removes_the_earlier_run(dropout_run):
     assert json.loads((out / "final" / "config.json").read_text())["attention_dropout"] == 0.5
 
 
+def test_an_overwrite_killed_half_way_leaves_no_partial_checkpoint_or_latest(tiny, reference, tmp_path,
+                                                                              one_process_group):
+    """overwrite_output_dir's removal of the earlier run, killed half-way through a checkpoint: `latest` named that
+    partly removed folder, and auto stopped on a file missing from it as from a damaged save."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns(".run.lock"))
+    # Rank 0 is killed in the removal of the second checkpoint, checkpoint-6 (the one `latest` names).
+    torchrun("tests/drivers/ckpt_kill.py", "in_overwrite", 2, *recipe_args(tiny, out), "--overwrite_output_dir",
+             "true", expect_rc=1)
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "checkpoint-6.old", "final", "metrics.jsonl",
+                                                     "wandb"]
+    assert not (out / "checkpoint-6.old" / "model").exists()
+    with pytest.raises(ConfigError) as error:
+        prepare_output_dir(config(out, "--resume_from_checkpoint", "auto"))
+    assert str(error.value).startswith(f"resume_from_checkpoint auto: {out} has no `latest` file naming a checkpoint "
+                                       f"to resume, but holds final of an earlier run")
+    # The same command again finishes the removal.
+    remove_earlier_run(config(out, "--overwrite_output_dir", "true"))
+    assert sorted(p.name for p in out.iterdir()) == [".run.lock", "wandb"]
+
+
 def test_overwrite_output_dir_keeps_the_earlier_run_when_the_checkpoint_is_refused(tiny, reference, tmp_path):
     # Resuming another run's last checkpoint (without its final/) into an output_dir to overwrite: a refused
     # checkpoint removes nothing; an accepted one finishes its run there, whose final/ the earlier run's does not hide.

@@ -4,10 +4,12 @@
 
 after_checkpoint: rank 1 dies right after its k-th checkpoint is complete.
 during_save: rank 1 dies inside the k-th save, after writing its model shards and before the rename.
+in_overwrite: rank 0 dies while overwrite_output_dir removes the earlier run's k-th folder, its model/ removed.
 in_samples: rank 0 dies while it writes the samples, their first bytes on disk (k is not used).
 """
 
 import os
+import shutil
 import signal
 import sys
 
@@ -49,6 +51,19 @@ elif mode == "during_save":
         return get_optimizer_state_dict(*args, **kwargs)
 
     fsdp_recipes.checkpoint.get_optimizer_state_dict = kill_in_kth_save
+elif mode == "in_overwrite":
+    rmtree = shutil.rmtree
+
+    def kill_in_kth_removal(path, *args, **kwargs):
+        # The removal of a folder the earlier run wrote (in whatever form the recipe removes it), half done.
+        if os.path.isdir(os.path.join(path, "model")):
+            saves["count"] += 1
+            if saves["count"] == k:
+                rmtree(os.path.join(path, "model"))
+                kill_rank(0)
+        return rmtree(path, *args, **kwargs)
+
+    shutil.rmtree = kill_in_kth_removal
 elif mode == "in_samples":
     def open_then_kill(file, mode="r", *args, **kwargs):
         f = open(file, mode, *args, **kwargs)
