@@ -11,7 +11,8 @@ mixture of experts' fused expert tensor is written as the per-expert matrices of
 and split one expert at a time.
 
 The folder is written under `<out_dir>.converting-<random>` next to it and renamed to out_dir (absent or empty)
-when complete and on disk (fsynced); a failure removes that folder, and nothing else is ever removed.
+when complete and on disk (fsynced); a failure removes that folder, and nothing else is ever removed (a kill leaves
+it, which the next conversion into out_dir names).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         raise CheckpointError(f"{out_dir} is a mount point: give a new folder inside it, such as {out_dir}/hf")
     with open(os.path.join(checkpoint, "config.json")) as f:
         config = json.load(f)
+    report_killed_conversions(out_dir)
     tmp = make_own_folder(out_dir)
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output is an ordinary folder
@@ -80,6 +82,18 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def report_killed_conversions(out_dir: str) -> None:
+    """Name the folders of earlier conversions into out_dir that were killed (a failure removes its own): they hold
+    part of a model's weights, which nothing uses. Not removed: another conversion into out_dir may still be
+    writing one."""
+    parent = os.path.dirname(out_dir)
+    prefix = f"{os.path.basename(out_dir)}.converting-"
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        if name.startswith(prefix) and os.path.isdir(os.path.join(parent, name)):
+            print(f"note: {os.path.join(parent, name)} is left by a conversion into {out_dir} that was killed: "
+                  f"nothing uses it; remove it once no other conversion into {out_dir} runs", flush=True)
 
 
 def make_own_folder(out_dir: str) -> str:

@@ -955,6 +955,20 @@ def test_a_conversion_stopped_by_ctrl_c_removes_its_own_folder(tiny, tmp_path, o
     assert sorted(os.listdir(tmp_path)) == ["run"]  # no hf.converting-* folder left beside the checkpoint's run
 
 
+def test_a_conversion_killed_before_its_rename_is_named_by_the_next_one(reference, tmp_path):
+    """A killed converter leaves its own folder (part of a model's weights, a 70B one's 140 GB): the next conversion
+    into the same folder names it, and removes nothing (another conversion may still be writing it)."""
+    checkpoint, out = reference / "checkpoint-6", tmp_path / "hf"
+    run([sys.executable, "tests/drivers/ckpt_kill.py", "in_convert", 1, checkpoint, out], expect_rc=-signal.SIGKILL)
+    [left] = tmp_path.iterdir()
+    assert left.name.startswith("hf.converting-") and (left / "model.safetensors").is_file()
+    again = run([sys.executable, "-m", "fsdp_recipes.convert", checkpoint, out])
+    assert again.stdout == (f"note: {left} is left by a conversion into {out} that was killed: nothing uses it; remove "
+                            f"it once no other conversion into {out} runs\nwrote {out}\n")
+    assert sorted(tmp_path.iterdir()) == [out, left]
+    assert_same_weights(load_file(out / "model.safetensors"), final_weights(reference))
+
+
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "not_a_checkpoint").mkdir()
     with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):

@@ -6,6 +6,8 @@ after_checkpoint: rank 1 dies right after its k-th checkpoint is complete.
 during_save: rank 1 dies inside the k-th save, after writing its model shards and before the rename.
 in_overwrite: rank 0 dies while overwrite_output_dir removes the earlier run's k-th folder, its model/ removed.
 in_samples: rank 0 dies while it writes the samples, their first bytes on disk (k is not used).
+in_convert: runs the converter instead (`python -m fsdp_recipes.convert <args...>`), which dies once its weights are
+    written, before its folder is renamed (k is not used).
 """
 
 import os
@@ -16,6 +18,7 @@ import sys
 import torch.distributed as dist
 
 import fsdp_recipes.checkpoint
+import fsdp_recipes.convert
 import fsdp_recipes.metrics
 import fsdp_recipes.trainer
 
@@ -74,6 +77,10 @@ elif mode == "in_samples":
         return f
 
     fsdp_recipes.metrics.open = open_then_kill  # the module's own open, before the builtin
+elif mode == "in_convert":
+    fsdp_recipes.convert.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
+    sys.argv[0] = "fsdp_recipes.convert"
+    fsdp_recipes.convert.run_main(fsdp_recipes.convert.main)
 else:
     sys.exit(f"unknown mode {mode}")
 
