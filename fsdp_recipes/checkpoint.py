@@ -451,7 +451,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             replace_dir(tmp, final)
             fsync(cfg.output_dir)  # the rename
             write_latest(cfg.output_dir, os.path.basename(final))
-            _apply_retention(cfg, step)
+            apply_retention(cfg, step)
 
     # One part at a time, each ending when every rank has done it, so that a rank that fails alone stops them all.
     # The gathers run outside the guarded parts, on every rank: a rank that failed in the middle of one (out of
@@ -525,7 +525,7 @@ def _room_advice(cfg: TrainConfig) -> str:
     return needs if cfg.save_total_limit == 1 else f"or lower --save_total_limit {cfg.save_total_limit}: {needs}"
 
 
-def _apply_retention(cfg: TrainConfig, saved_step: int) -> None:
+def apply_retention(cfg: TrainConfig, saved_step: int) -> None:
     """Keep the newest save_total_limit checkpoints, always including the one just saved (which `latest` names,
     even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves.
 

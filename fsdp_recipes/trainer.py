@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import get_scheduler
 
-from .checkpoint import (load_checkpoint, point_latest_at, resolve_state_dict_type, save_checkpoint,
+from .checkpoint import (apply_retention, load_checkpoint, point_latest_at, resolve_state_dict_type, save_checkpoint,
                          training_data_identity)
 from .config import ConfigError, TrainConfig
 from .data import (IGNORE_INDEX, build_dataloader, check_model_reads_data, check_packing_separates_examples,
@@ -246,6 +246,10 @@ def train_steps(cfg: TrainConfig, env: DistEnv, model: nn.Module, tokenizer, tra
     start_step = load_checkpoint(resume_from, model, optimizer, scheduler)["step"] if resume_from else 0
     if resume_from:
         point_latest_at(cfg.output_dir, resume_from)
+        if start_step == total_steps and env.is_main:
+            # A run killed in (or just before) its last save's retention is only finished from here: no later save
+            # would remove what that retention left, an older checkpoint or a partly removed .old one.
+            apply_retention(cfg, start_step)
     logger.start_at(start_step)
     batches = optimizer_step_batches(loader, cfg.gradient_accumulation_steps, start_step)
     # MFU only where the device's peak FLOP/s is known; FLOPs are counted on a parameter-free copy of the model.

@@ -33,7 +33,7 @@ from tokenizers import normalizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
 
 
-from fsdp_recipes.checkpoint import (CheckpointError, _apply_retention, latest_checkpoint, load_checkpoint,
+from fsdp_recipes.checkpoint import (CheckpointError, apply_retention, latest_checkpoint, load_checkpoint,
                                      point_latest_at, resolve_state_dict_type, save_checkpoint, training_data_identity,
                                      validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
@@ -495,7 +495,7 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
         (tmp_path / name).mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                         "--save_steps", "2", "--save_total_limit", "1"])
-    _apply_retention(cfg, saved_step=4)
+    apply_retention(cfg, saved_step=4)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
@@ -505,7 +505,7 @@ def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
         (tmp_path / f"checkpoint-{step}").mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                         "--save_steps", "2", "--save_total_limit", "2"])
-    _apply_retention(cfg, saved_step=12)
+    apply_retention(cfg, saved_step=12)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12"]
 
 
@@ -524,14 +524,14 @@ def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp
     monkeypatch.setattr(shutil, "rmtree", busy)
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                         "--save_steps", "2", "--save_total_limit", "1"])
-    _apply_retention(cfg, saved_step=4)
+    apply_retention(cfg, saved_step=4)
     assert capsys.readouterr().out == (
         f"warning: save_total_limit 1: {tmp_path}/checkpoint-2 could not be removed (OSError: [Errno 16] Device or "
         f"resource busy: '{tmp_path}/checkpoint-2.old/.nfs0001'); the next save tries again\n")
     # Renamed before its removal began: no longer a checkpoint to resume from, and the next save removes it.
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.old", "checkpoint-4"]
     monkeypatch.undo()
-    _apply_retention(cfg, saved_step=4)
+    apply_retention(cfg, saved_step=4)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
@@ -656,6 +656,22 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
         os.truncate(weights, weights.stat().st_size // 2)
         with pytest.raises(CheckpointError, match="truncated/model.safetensors is corrupt or truncated"):
             validate_checkpoint(str(tmp_path / "truncated"))
+
+
+def test_a_run_killed_in_its_last_retention_is_finished_without_what_retention_left(tiny, reference, tmp_path):
+    """save_total_limit 1, rank 0 killed in the last save's retention, checkpoint-4 renamed to .old and half removed:
+    the resume trains nothing and no save follows, so it finishes that retention itself (the .old folder, or the
+    older checkpoint of a kill just before retention, stayed for good)."""
+    args = recipe_args(tiny, tmp_path, "--save_total_limit", "1", "--resume_from_checkpoint", "auto")
+    torchrun("tests/drivers/ckpt_kill.py", "in_removal", 2, *args, expect_rc=1)  # the first removal is checkpoint-2's
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "checkpoint-4.old", "checkpoint-6", "latest",
+                                                          "metrics.jsonl"]
+    finished = torchrun(RECIPE, *args)
+    assert f"resumed from {tmp_path / 'checkpoint-6'} at step 6" in finished.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock", "checkpoint-6", "final", "latest",
+                                                          "metrics.jsonl"]
+    assert losses(tmp_path) == losses(reference)
+    assert_same_weights(final_weights(tmp_path), final_weights(reference))
 
 
 def test_a_return_to_an_earlier_checkpoint_killed_before_its_first_save_resumes_there(tiny, reference, tmp_path):
@@ -1853,7 +1869,7 @@ def test_an_overwrite_killed_half_way_leaves_no_partial_checkpoint_or_latest(tin
     out = tmp_path / "run"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns(".run.lock"))
     # Rank 0 is killed in the removal of the second checkpoint, checkpoint-6 (the one `latest` names).
-    torchrun("tests/drivers/ckpt_kill.py", "in_overwrite", 2, *recipe_args(tiny, out), "--overwrite_output_dir",
+    torchrun("tests/drivers/ckpt_kill.py", "in_removal", 2, *recipe_args(tiny, out), "--overwrite_output_dir",
              "true", expect_rc=1)
     assert sorted(p.name for p in out.iterdir()) == [".run.lock", "checkpoint-6.old", "final", "metrics.jsonl",
                                                      "wandb"]

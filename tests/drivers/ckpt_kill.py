@@ -4,7 +4,8 @@
 
 after_checkpoint: rank 1 dies right after its k-th checkpoint is complete.
 during_save: rank 1 dies inside the k-th save, after writing its model shards and before the rename.
-in_overwrite: rank 0 dies while overwrite_output_dir removes the earlier run's k-th folder, its model/ removed.
+in_removal: rank 0 dies in the k-th removal of a sharded checkpoint (retention's, overwrite_output_dir's), once
+    its model/ is removed.
 in_samples: rank 0 dies while it writes the samples, their first bytes on disk (k is not used).
 in_convert: runs the converter instead (`python -m fsdp_recipes.convert <args...>`), which dies once its weights are
     written, before its folder is renamed (k is not used).
@@ -54,11 +55,11 @@ elif mode == "during_save":
         return get_optimizer_state_dict(*args, **kwargs)
 
     fsdp_recipes.checkpoint.get_optimizer_state_dict = kill_in_kth_save
-elif mode == "in_overwrite":
+elif mode == "in_removal":
     rmtree = shutil.rmtree
 
     def kill_in_kth_removal(path, *args, **kwargs):
-        # The removal of a folder the earlier run wrote (in whatever form the recipe removes it), half done.
+        # A checkpoint's removal (in whatever form it is removed), half done.
         if os.path.isdir(os.path.join(path, "model")):
             saves["count"] += 1
             if saves["count"] == k:
