@@ -69,9 +69,9 @@ elif mode == "in_removal":
 
     shutil.rmtree = kill_in_kth_removal
 elif mode == "in_samples":
-    def open_then_kill(file, mode="r", *args, **kwargs):
-        f = open(file, mode, *args, **kwargs)
-        if os.path.basename(file).startswith("samples.jsonl") and "w" in mode:
+    def open_then_kill(file, open_mode="r", *args, **kwargs):
+        f = open(file, open_mode, *args, **kwargs)
+        if os.path.basename(file).startswith("samples.jsonl") and "w" in open_mode:
             f.write('{"prompt": ')
             f.flush()
             kill_rank(0)
@@ -80,7 +80,6 @@ elif mode == "in_samples":
     fsdp_recipes.metrics.open = open_then_kill  # the module's own open, before the builtin
 elif mode == "in_convert":
     fsdp_recipes.convert.fsync_tree = lambda root: os.kill(os.getpid(), signal.SIGKILL)
-    sys.argv[0] = "fsdp_recipes.convert"
     fsdp_recipes.convert.run_main(fsdp_recipes.convert.main)
 else:
     sys.exit(f"unknown mode {mode}")
