@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AutoTokenizer
 
-from .checkpoint import (STATE_NAME, CheckpointError, latest_checkpoint, master_dtype, read_dcp_metadata,
-                         training_data_identity, validate_checkpoint)
+from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, latest_checkpoint, master_dtype,
+                         read_dcp_metadata, training_data_identity, validate_checkpoint)
 from .config import ROUTER_LOSS_KEYS, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import print_rank0, ranks
@@ -55,6 +55,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
             print_rank0(f"resume: no checkpoint in {cfg.output_dir} yet, starting from step 0")
             return None
     state = validate_checkpoint(path)
+    if cfg.resume_from_checkpoint == "auto":
+        report_newer_checkpoints(cfg.output_dir, path, state["step"])
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
     differ = model_config_differences(saved, model.config.to_dict())
@@ -126,6 +128,18 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
         print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
                     f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
     return path
+
+
+def report_newer_checkpoints(output_dir: str, path: str, step: int) -> None:
+    """auto resumes from the checkpoint `latest` names: one of a later step beside it is said, not taken. A save
+    killed between its rename and `latest` leaves one, and so does a return to an earlier checkpoint (point_latest_at),
+    whose later ones are of the branch it left: the two look alike."""
+    newer = [f"checkpoint-{later}" for later in checkpoint_steps(output_dir) if later > step]
+    if newer:
+        print_rank0(f"resume: {output_dir} also holds {', '.join(newer)}, of a later step than {path}, which `latest` "
+                    f"names (a save killed before `latest` named it, or a checkpoint that a return to an earlier "
+                    f"step left): this run resumes from {os.path.basename(path)}; to continue from the newer one "
+                    f"instead, pass --resume_from_checkpoint {os.path.join(output_dir, newer[-1])}")
 
 
 def export_of(final: str, checkpoint: str) -> bool:

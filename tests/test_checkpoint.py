@@ -1571,6 +1571,23 @@ def resume_inputs(tiny, *args):
     return cfg, model, tokenizer, build_datasets(cfg, tokenizer)[0]
 
 
+def test_auto_says_it_resumes_from_the_checkpoint_latest_names_though_a_newer_one_is_there(tiny, reference, tmp_path,
+                                                                                           one_process_group, capsys):
+    """A kill between a save's rename and `latest` (the save's finish) leaves a complete checkpoint that `latest` does
+    not name: auto resumes from the one it names, which a log line explains, with the way to the newer one."""
+    out = tmp_path / "out"
+    for name in ["checkpoint-4", "checkpoint-6"]:
+        shutil.copytree(reference / name, out / name)
+    (out / "latest").write_text("checkpoint-4")
+    cfg, model, tokenizer, data = resume_inputs(  # the checkpoint's global batch of 2 ranks x 4 x 2, on 1 rank
+        tiny, "--resume_from_checkpoint", "auto", "--output_dir", out, "--gradient_accumulation_steps", "4")
+    assert resolve_resume(cfg, model, tokenizer, data) == str(out / "checkpoint-4")
+    assert (f"resume: {out} also holds checkpoint-6, of a later step than {out / 'checkpoint-4'}, which `latest` names "
+            f"(a save killed before `latest` named it, or a checkpoint that a return to an earlier step left): this "
+            f"run resumes from checkpoint-4; to continue from the newer one instead, pass --resume_from_checkpoint "
+            f"{out / 'checkpoint-6'}\n") in capsys.readouterr().out
+
+
 def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, reference, one_process_group):
     checkpoint = reference / "checkpoint-6"
     # One process: the global batch of 2 ranks x 4 x 2 is kept with an accumulation of 4. Logging, saving, the
