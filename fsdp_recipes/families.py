@@ -111,6 +111,7 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
             print(f"note: {family[0]} trains {config.model_type} models with its family's defaults (its YAML config "
                   f"in {os.path.join(os.path.dirname(family[0]), 'configs')}); {os.path.basename(recipe)} trains it "
                   f"with the config given here", flush=True)
+    check_attention_implemented(cfg.attn_implementation, config)
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:
@@ -158,6 +159,27 @@ def part_that_loads(config) -> type | None:
     model_class = mapping[type(config)]
     sub_config_classes = {type(getattr(config, key, None)) for key in config.sub_configs}
     return model_class if model_class.config_class in sub_config_classes - {type(config)} else None
+
+
+# The attention implementations a transformers model class declares, by the flag from_pretrained checks for each.
+ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                   "flash_attention_3": "_supports_flash_attn", "flash_attention_4": "_supports_flash_attn",
+                   "flex_attention": "_supports_flex_attn"}
+
+
+def check_attention_implemented(attn_implementation: str, config) -> None:
+    """Refuse an attention implementation the model class lacks (BLOOM, MPT, XGLM, gpt-oss have no sdpa, the
+    default) before the data are tokenized and the model is loaded, where from_pretrained would raise it with advice
+    for Python code. A Hub kernel, and a checkpoint's own code, are left to from_pretrained."""
+    if attn_implementation not in ATTENTION_FLAGS or type(config) not in AutoModelForCausalLM._model_mapping:
+        return
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    if getattr(model_class, ATTENTION_FLAGS[attn_implementation], False):
+        return
+    implemented = ["eager", *(name for name, flag in ATTENTION_FLAGS.items() if getattr(model_class, flag, False))]
+    raise ConfigError(f"{model_class.__name__} does not implement attn_implementation {attn_implementation}: set "
+                      f"attn_implementation to one it does ({', '.join(implemented)}), e.g. --attn_implementation "
+                      f"eager")
 
 
 def _check_attention(cfg: TrainConfig, model_type: str, allowed: tuple[str, ...] | None, source: str) -> None:

@@ -373,6 +373,26 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path, capsys):
         assert re.search(f"^error: {message}", proc.stderr, re.MULTILINE), proc.stderr
 
 
+def test_an_attention_implementation_the_model_class_lacks_is_refused_before_loading(tmp_path):
+    """BLOOM has no sdpa, the default: from_pretrained raised it after the data were tokenized, as a traceback on each
+    rank with advice for Python code (`attn_implementation="eager"`)."""
+    def check(model_type, *args):
+        AutoConfig.for_model(model_type).save_pretrained(tmp_path / model_type)
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / model_type), "--dataset_name", "d",
+                                       *args]), None, "recipes/sft.py")
+
+    with pytest.raises(ConfigError, match="^BloomForCausalLM does not implement attn_implementation sdpa: set "
+                                          r"attn_implementation to one it does \(eager\), e.g. --attn_implementation "
+                                          "eager$"):
+        check("bloom")
+    check("bloom", "--attn_implementation", "eager")
+    with pytest.raises(ConfigError, match=r"^GptOssForCausalLM does not implement attn_implementation sdpa: .* "
+                                          r"\(eager, flash_attention_2, flash_attention_3, flash_attention_4, "
+                                          r"flex_attention\)"):
+        check("gpt_oss")
+    check("gpt_oss", "--attn_implementation", "flex_attention")
+
+
 def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_model(tmp_path, monkeypatch):
     def check(model_dir, recipe, model_types):
         args = ["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
