@@ -30,7 +30,7 @@ from transformers.masking_utils import flash_attention_mask
 from .cli import run_main
 from .config import ConfigError, looked_in
 from .data import check_sequence_length
-from .families import check_causal_lm, check_loads_whole, exact_attention, hub_cache_miss
+from .families import check_attention_implemented, check_causal_lm, check_loads_whole, exact_attention, hub_cache_miss
 from .flops import build_meta_model
 from .plan import PRECISIONS, check_flash_precision
 from .sharding import MASTER_DTYPE, check_no_weight_kept_in_fp32, find_layer_classes
@@ -480,6 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
                           f"{' or '.join(a for a in allowed if a in ATTENTION)} (see fsdp_recipes/families.py), not "
                           f"{args.attn_implementation}")
+    check_attention_implemented(args.attn_implementation, config)
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
     check_sequence_length(model, args.seq_len, "--seq_len")
     check_no_weight_kept_in_fp32(model, args.mixed_precision)

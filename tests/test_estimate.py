@@ -555,6 +555,11 @@ def test_bad_input_is_one_clear_line(tmp_path):
         main(["--model", str(gemma2), "--num_gpus", "8"])
     assert str(error.value) == ("gemma2 needs attention with soft-capping: pass --attn_implementation eager or "
                                 "flash_attention_2 or flex_attention (see fsdp_recipes/families.py), not sdpa")
+    # A model class without sdpa, the default: one line, not from_config's traceback with advice for Python code.
+    bloom = write_config(tmp_path / "bloom.json", AutoConfig.for_model("bloom", n_embed=32, n_layer=1).to_dict())
+    with pytest.raises(ConfigError, match="^BloomForCausalLM does not implement attn_implementation sdpa: set "
+                                          "attn_implementation to one it does"):
+        main(["--model", str(bloom), "--num_gpus", "8"])
     moe = write_config(tmp_path / "qwen3_moe.json", ARCHITECTURES["qwen3_moe sdpa"][0].to_dict())
     with pytest.raises(ConfigError) as error:
         main(["--model", str(moe), "--num_gpus", "8", "--mixed_precision", "no"])
