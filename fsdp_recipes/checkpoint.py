@@ -38,6 +38,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -598,13 +600,24 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
             optimizer.state.pop(params[fqn], None)
 
 
+class ExactKeysLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner without its fallback to torch 2.3's key format, which it takes when the checkpoint holds a
+    key this rank's state dict lacks. Under FSDP1 a rank holds no shard of a parameter whose first dimension is
+    smaller than the world size (Qwen2-MoE's shared_expert_gate, 1 row), and its state dict leaves the key out: the
+    fallback then looked for an optimizer key `param_groups` that no checkpoint of torch 2.4 or later has. Every key
+    this rank does hold must still be in the checkpoint."""
+
+    def create_local_plan(self) -> LoadPlan:
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
 def read_dcp_folder(state_dict: dict, path: str) -> None:
     """dcp.load of the DCP folder `path` into `state_dict`. A file whose content is damaged (its size is checked
     before: read_dcp_metadata) fails in DCP as a CheckpointException, a BaseException that names neither the file
     nor the checkpoint and escaped cli.run_main: here it is a CheckpointError naming the folder, on every rank. A
     Ctrl-C or an out-of-memory error during the read is raised as it is."""
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path))
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=ExactKeysLoadPlanner())
     except CheckpointException as error:
         # DCP wraps these too (on any rank, in the failures every rank gets): the run stops with them, not with
         # advice to give up on a checkpoint that is whole.

@@ -41,7 +41,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import DistEnv
-from fsdp_recipes import convert as convert_module, trainer
+from fsdp_recipes import convert as convert_module, demo, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
@@ -558,6 +558,30 @@ def test_resume_mid_epoch_gives_equal_losses_optimizer_and_weights(tiny, referen
     convert(str(tmp_path / "from_sharded" / "checkpoint-6"), str(tmp_path / "converted"))
     assert_same_weights(load_file(tmp_path / "converted" / "model.safetensors"), final_weights(reference))
     assert sorted(os.listdir(tmp_path / "converted")) == sorted(os.listdir(reference / "final"))
+
+
+def test_fsdp1_resumes_a_parameter_with_fewer_rows_than_ranks(tiny, tmp_path):
+    """Qwen2-MoE's shared_expert_gate has 1 row: under FSDP1 rank 1 holds none of it, and its state dicts leave it out.
+    DCP's load took the checkpoint for one of torch 2.3 then, and failed on rank 1 ("param_groups" missing: "a file in
+    it is damaged")."""
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert model.model.layers[0].mlp.shared_expert_gate.weight.shape == (1, 64)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    args = ["recipes/sft.py", "--config", "recipes/configs/sft.yaml", "--model_name_or_path", tmp_path / "model",
+            "--dataset_name", tiny["data"], "--max_steps", "2", "--save_steps", "1", "--logging_steps", "1",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_seq_length", "64",
+            "--mixed_precision", "no", "--save_dtype", "float32", "--learning_rate", "1e-2", "--fsdp_version", "1"]
+    torchrun(*args, "--output_dir", tmp_path / "uninterrupted")
+    torchrun(*args, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint",
+             tmp_path / "uninterrupted" / "checkpoint-1")
+    assert losses(tmp_path / "resumed") == {2: losses(tmp_path / "uninterrupted")[2]}
+    assert_same_weights(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "uninterrupted"))
 
 
 def scheduled_lr(step: int, total_steps: int) -> float:
