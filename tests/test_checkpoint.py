@@ -1491,7 +1491,7 @@ def test_an_evaluation_that_failed_after_its_checkpoint_runs_first_on_resume(tin
         metrics = read_metrics(tmp_path / "metrics.jsonl")
         assert [(m["step"], "eval/loss" in m) for m in metrics] == [(1, False), (2, False), (2, True), (3, False),
                                                                     (3, True)]
-        assert metrics[2] == {"step": 2, **step_2}
+        assert metrics[2] == {"step": 2, "epoch": metrics[1]["epoch"], **step_2}
 
 
 def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_path):

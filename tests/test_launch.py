@@ -368,9 +368,12 @@ def test_a_requeued_job_resumes_its_run(tmp_path):
                  PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
     def recipe_args(*args: str, **env: str) -> tuple[list[str], str]:
+        """The recipe's arguments, and what the script prints before the line that says what it runs."""
         proc = run(["bash", "slurm/sft_multinode.sbatch", "--dataset_name", "d.jsonl", *args], **slurm, **env)
         srun_args = (bin_dir / "srun.args").read_text().splitlines()
-        return srun_args[srun_args.index("--config") + 2:], proc.stdout
+        before, running, after = proc.stdout.rpartition("running recipes/llama_sft.py --config ")
+        assert running and after.endswith("(rendezvous 127.0.0.1:20001)\n"), proc.stdout
+        return srun_args[srun_args.index("--config") + 2:], before
 
     assert recipe_args() == (["--dataset_name", "d.jsonl"], "")
     assert recipe_args(SLURM_RESTART_COUNT="0") == (["--dataset_name", "d.jsonl"], "")
