@@ -1924,6 +1924,48 @@ def test_an_overwrite_killed_half_way_leaves_no_partial_checkpoint_or_latest(tin
     assert sorted(p.name for p in out.iterdir()) == [".run.lock", "wandb"]
 
 
+def test_an_overwrite_stopped_in_a_removal_leaves_no_latest_nor_a_partial_checkpoint(tmp_path, monkeypatch,
+                                                                                     one_process_group):
+    """remove_earlier_run stopped (as by a kill) half-way through removing a folder, twice: `latest` is gone first,
+    the folder stopped in is under a name no resume takes (its .old form; a .tmp one stays as it is, for the next
+    overwrite to remove), the others are whole; the same overwrite again removes the rest, with the .old folder an
+    earlier stop left beside its checkpoint."""
+    out = tmp_path / "run"
+    for name in ["checkpoint-4", "checkpoint-6", "checkpoint-6.old", "checkpoint-8.tmp", "final"]:
+        (out / name / "model").mkdir(parents=True)
+        (out / name / "model" / "shard").write_text("weights")
+    (out / "latest").write_text("checkpoint-6")
+    for name in ["metrics.jsonl", "samples.jsonl.tmp"]:
+        (out / name).write_text("{}\n")
+    (out / "wandb").mkdir()
+
+    class Killed(BaseException):
+        pass
+
+    rmtree, stops = shutil.rmtree, [out / "checkpoint-4.old", out / "checkpoint-8.tmp"]
+
+    def killed_half_way(path, *args, **kwargs):
+        if stops and Path(path) == stops[0]:
+            stops.pop(0)
+            rmtree(os.path.join(path, "model"))
+            raise Killed
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_half_way)
+    cfg = config(out, "--overwrite_output_dir", "true")
+    with pytest.raises(Killed):
+        remove_earlier_run(cfg)
+    assert sorted(os.listdir(out)) == ["checkpoint-4.old", "checkpoint-6", "checkpoint-6.old", "checkpoint-8.tmp",
+                                       "final", "metrics.jsonl", "samples.jsonl.tmp", "wandb"]
+    assert os.listdir(out / "checkpoint-6" / "model") == ["shard"]
+    with pytest.raises(Killed):
+        remove_earlier_run(cfg)
+    assert sorted(os.listdir(out)) == ["checkpoint-8.tmp", "final", "metrics.jsonl", "samples.jsonl.tmp", "wandb"]
+    assert os.listdir(out / "final" / "model") == ["shard"]
+    remove_earlier_run(cfg)
+    assert sorted(os.listdir(out)) == ["wandb"]
+
+
 def test_overwrite_output_dir_keeps_the_earlier_run_when_the_checkpoint_is_refused(tiny, reference, tmp_path):
     # Resuming another run's last checkpoint (without its final/) into an output_dir to overwrite: a refused
     # checkpoint removes nothing; an accepted one finishes its run there, whose final/ the earlier run's does not hide.
