@@ -1009,6 +1009,22 @@ def test_a_conversion_killed_before_its_rename_is_named_by_the_next_one(referenc
     assert_same_weights(load_file(out / "model.safetensors"), final_weights(reference))
 
 
+def test_a_conversion_names_only_the_folders_of_killed_conversions_into_its_own_out_dir(tiny, tmp_path,
+                                                                                        one_process_group, capsys):
+    """Leftovers made by hand (test_a_conversion_killed_before_its_rename_is_named_by_the_next_one kills a converter):
+    not its own folder, nor another out_dir's, nor a file."""
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    out = tmp_path / "hf"
+    for name in ["hf.converting-abc", "hf2.converting-def", "hf-converting-ghi", "hf.converting-jkl"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "hf.converting-notes.txt").write_text("mine")
+    capsys.readouterr()
+    convert(checkpoint, str(out))
+    assert capsys.readouterr().out == "".join(
+        f"note: {tmp_path / name} is left by a conversion into {out} that was killed: nothing uses it; remove it once "
+        f"no other conversion into {out} runs\n" for name in ["hf.converting-abc", "hf.converting-jkl"])
+
+
 def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
     (tmp_path / "not_a_checkpoint").mkdir()
     with pytest.raises(CheckpointError, match="not_a_checkpoint is not a checkpoint"):
