@@ -47,8 +47,8 @@ from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.output_dir import prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.resume import (model_config_differences, resolve_resume, tokenizer_differences,
-                                 training_config_differences)
+from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoints, resolve_resume,
+                                 tokenizer_differences, training_config_differences)
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
@@ -1626,6 +1626,19 @@ def test_auto_says_it_resumes_from_the_checkpoint_latest_names_though_a_newer_on
             f"(a save killed before `latest` named it, or a checkpoint that a return to an earlier step left): this "
             f"run resumes from checkpoint-4; to continue from the newer one instead, pass --resume_from_checkpoint "
             f"{out / 'checkpoint-6'}\n") in capsys.readouterr().out
+
+
+def test_the_newer_checkpoints_auto_does_not_take_are_named_with_the_newest_to_continue_from(tmp_path, capsys):
+    for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-10", "checkpoint-12.tmp"]:
+        (tmp_path / name).mkdir()
+    report_newer_checkpoints(str(tmp_path), str(tmp_path / "checkpoint-4"), 4)
+    assert capsys.readouterr().out == (
+        f"resume: {tmp_path} also holds checkpoint-6, checkpoint-10, of a later step than {tmp_path / 'checkpoint-4'}, "
+        f"which `latest` names (a save killed before `latest` named it, or a checkpoint that a return to an earlier "
+        f"step left): this run resumes from checkpoint-4; to continue from the newer one instead, pass "
+        f"--resume_from_checkpoint {tmp_path / 'checkpoint-10'}\n")
+    report_newer_checkpoints(str(tmp_path), str(tmp_path / "checkpoint-10"), 10)  # the newest: nothing to say
+    assert capsys.readouterr().out == ""
 
 
 def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, reference, one_process_group):
