@@ -414,6 +414,23 @@ def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
     assert not (tmp_path / "samples.jsonl").exists()
 
 
+def test_samples_are_on_disk_whole_before_their_rename(tmp_path, monkeypatch):
+    """samples.jsonl is written aside and renamed once on disk: a node lost right after the rename must not leave it
+    empty, which a resume would take for written samples (os.fsync records the size it syncs, os.replace its names;
+    both still do their work)."""
+    logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir",
+                                         str(tmp_path)]), is_main=True)
+    samples = [{"prompt": "reverse: abc", "completion": "cba"}, {"prompt": "reverse: de", "completion": "ed"}]
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"),
+                                                                os.fstat(fd).st_size)), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", src, dst)), replace(src, dst)))
+    logger.log_samples(samples)
+    path = str(tmp_path / "samples.jsonl")
+    assert events == [("fsync", f"{path}.tmp", os.path.getsize(path)), ("replace", f"{path}.tmp", path)]
+    assert read_metrics(path) == samples
+
+
 def test_metrics_lines_are_strict_json_and_a_nan_loss_has_a_nan_perplexity(tmp_path):
     logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir",
                                          str(tmp_path)]), is_main=True)
