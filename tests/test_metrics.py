@@ -32,6 +32,7 @@ from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
+from fsdp_recipes.schedule import describe_schedule
 from fsdp_recipes.sharding import shard_model
 from wandb_records import read_records, run_summary
 
@@ -213,6 +214,16 @@ def test_throughput_counts_the_steps_since_the_last_log(tiny, tmp_path, one_proc
     assert [(m["step"], m["input_tokens"], m["step_time"]) for m in logged] == [
         (2, input_tokens[1], 1.0), (4, input_tokens[3], 1.0), (6, input_tokens[5], 1.0)]
     assert [m["tokens_per_second"] for m in logged] == [(input_tokens[k] + input_tokens[k + 1]) / 2 for k in (0, 2, 4)]
+
+
+def test_the_training_line_counts_the_global_batch_of_every_rank():
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--per_device_train_batch_size", "4",
+                        "--gradient_accumulation_steps", "2"])
+    assert describe_schedule(cfg, 6, 1, 2, 35, 2) == (  # global batch 2 x 4 x 2: 3 of 35 sequences left out
+        "training: 6 steps (1 of warm-up) of 2 x 4 sequences on each of 2 ranks; an epoch trains 32 of its 35 "
+        "sequences (the 3 that do not fill a global batch of 16 are left out, others each epoch)")
+    assert describe_schedule(cfg, 6, 1, 2, 32, 2) == ("training: 6 steps (1 of warm-up) of 2 x 4 sequences on each "
+                                                      "of 2 ranks")  # none left out
 
 
 def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny, tmp_path, one_process_group, capsys):
