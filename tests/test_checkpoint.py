@@ -1626,6 +1626,10 @@ def test_auto_says_it_resumes_from_the_checkpoint_latest_names_though_a_newer_on
             f"(a save killed before `latest` named it, or a checkpoint that a return to an earlier step left): this "
             f"run resumes from checkpoint-4; to continue from the newer one instead, pass --resume_from_checkpoint "
             f"{out / 'checkpoint-6'}\n") in capsys.readouterr().out
+    # Passed by name (a return to an earlier step, say): the user's choice, not `latest`'s, and nothing to explain.
+    cfg.resume_from_checkpoint = str(out / "checkpoint-4")
+    assert resolve_resume(cfg, model, tokenizer, data) == str(out / "checkpoint-4")
+    assert "also holds" not in capsys.readouterr().out
 
 
 def test_the_newer_checkpoints_auto_does_not_take_are_named_with_the_newest_to_continue_from(tmp_path, capsys):
