@@ -411,6 +411,23 @@ def test_a_config_error_after_wandb_started_finishes_the_run(tiny, tmp_path):
     assert exit_record.exit_code == 2
 
 
+def test_a_resumed_runs_new_length_replaces_the_one_in_its_w_and_b_config(tmp_path, monkeypatch):
+    """Online, a resumed W&B run's config comes back from the server with the first segment's schedule (offline it
+    starts empty, so the resume test cannot show it): here run_config holds it, and a longer run replaces it, which
+    W&B refuses without allow_val_change."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "out"),
+                        "--report_to", "wandb"])
+    first = {"total_steps": 4, "warmup_steps": 1, "steps_per_epoch": 7, "train_sequences": 239}
+    logger = MetricsLogger(cfg, is_main=True, run_config={"schedule": first})
+    try:
+        logger.add_to_config({"schedule": {**first, "total_steps": 6}})
+        assert logger.wandb_run.config["schedule"]["total_steps"] == 6
+    finally:
+        logger.close()
+
+
 def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
     logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir",
                                          str(tmp_path)]), is_main=True)
