@@ -44,16 +44,19 @@ def _open_text(path: str):
 
 
 def _is_empty(path: str) -> bool:
-    """Whether a data file holds no rows: 0 bytes, decompressed (an empty file compressed is gzip's header), a CSV
-    file of a header alone (pandas' and Dask's empty partitions), a JSON file of an empty array (pandas'
-    to_json(orient="records") of an empty partition), or a Parquet file of no rows (its schema alone), which
-    datasets' reader fails on ('BatchSize must be greater than 0')."""
+    """Whether a data file holds no rows: 0 bytes, decompressed (an empty file compressed is gzip's header), a JSON
+    Lines file of a byte order mark alone, a CSV file of a header alone (pandas' and Dask's empty partitions), a JSON
+    file of an empty array (pandas' to_json(orient="records") of an empty partition), or a Parquet file of no rows
+    (its schema alone), which datasets' reader fails on ('BatchSize must be greater than 0')."""
     if _file_type(path) == ".csv":
         return next(itertools.islice(_csv_rows(path), 1, None), None) is None
     if _file_type(path) == ".json":
         with _open_text(path) as f:
             head = f.read(4096).lstrip("\ufeff").lstrip()  # a byte order mark, which datasets' reader skips
         return not head or (head[0] == "[" and head[1:].lstrip()[:1] == "]")
+    if _file_type(path) == ".jsonl":  # a byte order mark alone (an empty export in UTF-8-sig) is a parse error there
+        with _open_text(path) as f:
+            return not f.read(2).lstrip("\ufeff")
     if path.lower().endswith(_COMPRESSIONS):
         with fsspec.open(path, "rb", compression="infer") as f:
             return not f.read(1)

@@ -1222,8 +1222,10 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     (tmp_path / "blank.json").write_text("\n")  # no array at all: nothing to index
     (tmp_path / "empty.json.gz").write_bytes(gzip.compress(b"[]"))  # not empty once compressed, nor decompressed
     (tmp_path / "bom.json").write_bytes(codecs.BOM_UTF8 + b"[]")  # as Windows tools write UTF-8
+    (tmp_path / "bom.jsonl").write_bytes(codecs.BOM_UTF8)  # 'Unexpected UTF-8 BOM', where a blank line is no row
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(codecs.BOM_UTF8))
     for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json", "empty.json.gz",
-                 "bom.json"):
+                 "bom.json", "bom.jsonl", "bom.jsonl.gz"):
         with pytest.raises(ConfigError, match=rf"^.*{name} is empty: it holds no examples$"):
             build_datasets(cfg(tmp_path / name), TOKENIZER)
     (tmp_path / "parts").mkdir()
@@ -1232,6 +1234,7 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     shutil.copy(tmp_path / "empty.parquet", tmp_path / "parts" / "part-2.parquet")
     shutil.copy(tmp_path / "empty.csv", tmp_path / "parts" / "part-3.csv")
     shutil.copy(tmp_path / "empty.json", tmp_path / "parts" / "part-00.json")  # read first: no schema to join
+    shutil.copy(tmp_path / "bom.jsonl", tmp_path / "parts" / "part-4.jsonl")
     train, _ = build_datasets(cfg(tmp_path / "parts"), TOKENIZER)
     assert train["input_ids"] == [tokenize_example(r, "prompt_completion", TOKENIZER, 64)["input_ids"] for r in ROWS]
     assert data_sources.folder_summary(str(tmp_path / "parts"), "train", None) == "train: part-0.jsonl"
