@@ -1221,7 +1221,7 @@ def test_empty_compressed_parquet_csv_and_json_array_files_are_empty(tmp_path):
     (tmp_path / "empty.json").write_text(" [\n]\n")
     (tmp_path / "blank.json").write_text("\n")  # no array at all: nothing to index
     (tmp_path / "empty.json.gz").write_bytes(gzip.compress(b"[]"))  # not empty once compressed, nor decompressed
-    (tmp_path / "bom.json").write_bytes(codecs.BOM_UTF8 + b"[]")  # as Windows tools write UTF-8
+    (tmp_path / "bom.json").write_bytes(codecs.BOM_UTF8 + b"\r\n[\r\n]\r\n")  # as Windows tools write UTF-8
     (tmp_path / "bom.jsonl").write_bytes(codecs.BOM_UTF8)  # 'Unexpected UTF-8 BOM', where a blank line is no row
     (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(codecs.BOM_UTF8))
     for name in ("empty.jsonl.gz", "empty.parquet", "empty.csv", "empty.json", "blank.json", "empty.json.gz",
