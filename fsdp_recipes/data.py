@@ -226,6 +226,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                 train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
                 eval_parts.append(held_out)
             train_parts.append(weighted_sample(train, weight, cfg.seed))
+        if len(train_parts) > 1:  # what each data set of the mixture gives, after its weight
+            print_rank0("data: mixture of " + ", ".join(
+                f"{name} x {weight:g}: {len(part)} ({len(part) / sum(map(len, train_parts)):.1%})"
+                for name, weight, part in zip(names, weights, train_parts)) + " training examples")
         train = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
         eval_set = datasets.concatenate_datasets(eval_parts) if len(eval_parts) > 1 else (eval_parts or [None])[0]
         if cfg.packing:

@@ -1436,13 +1436,16 @@ def test_only_the_splits_named_are_read(tmp_path):
         build_datasets(cfg(tmp_path / "folder", eval_split="test"), TOKENIZER)
 
 
-def test_column_mapping_and_weighted_mixture(tmp_path):
+def test_column_mapping_and_weighted_mixture(tmp_path, capsys):
     demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
     demo.write_jsonl(tmp_path / "b.jsonl", [{"question": f"b{i}", "answer": "x"} for i in range(10)])
     train, _ = build_datasets(cfg(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", dataset_weights="0.5,2.5",
                                   dataset_column_mapping="question=prompt,answer=completion"), TOKENIZER)
     first = [TOKENIZER.convert_ids_to_tokens(ids[1]) for ids in list(train["input_ids"])]  # after <|bos|>
     assert (first.count("a"), first.count("b")) == (10, 25)
+    # The log gives what each data set contributes after its weight.
+    assert (f"data: mixture of {tmp_path}/a.jsonl x 0.5: 10 (28.6%), {tmp_path}/b.jsonl x 2.5: 25 (71.4%) training "
+            f"examples\n") in capsys.readouterr().out
     b_texts = [TOKENIZER.decode(ids) for ids in train["input_ids"] if TOKENIZER.convert_ids_to_tokens(ids[1]) == "b"]
     assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
 
