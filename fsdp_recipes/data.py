@@ -227,9 +227,10 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                 eval_parts.append(held_out)
             train_parts.append(weighted_sample(train, weight, cfg.seed))
         if len(train_parts) > 1:  # what each data set of the mixture gives, after its weight
-            print_rank0("data: mixture of " + ", ".join(
-                f"{name} x {weight:g}: {len(part)} ({len(part) / sum(map(len, train_parts)):.1%})"
-                for name, weight, part in zip(names, weights, train_parts)) + " training examples")
+            total = sum(map(len, train_parts))
+            print_rank0("data: mixture of " + ", ".join(f"{name} x {weight:g}: {len(part)} ({len(part) / total:.1%})"
+                                                        for name, weight, part in zip(names, weights, train_parts))
+                        + " training examples")
         train = datasets.concatenate_datasets(train_parts) if len(train_parts) > 1 else train_parts[0]
         eval_set = datasets.concatenate_datasets(eval_parts) if len(eval_parts) > 1 else (eval_parts or [None])[0]
         if cfg.packing:
