@@ -10,7 +10,7 @@ from typing import Callable, NoReturn
 import torch.distributed as dist
 
 from .config import ConfigError
-from .distributed import SIGTERM_EXIT_CODE, FailedOnRank0, StoppedBySigterm, exit_process
+from .distributed import SIGTERM_EXIT_CODE, FailedOnRank0, RunComplete, StoppedBySigterm, exit_process
 
 
 def run_main(main: Callable[[], None]) -> NoReturn:
@@ -21,6 +21,10 @@ def run_main(main: Callable[[], None]) -> NoReturn:
         sys.stderr.write(f"error: {error}\n")
         _finish_wandb(exit_code=2)
         exit_process(2)
+    except RunComplete as done:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            sys.stdout.write(f"{done}\n")
+        exit_process(0)
     except StoppedBySigterm as stop:  # every rank stopped after the same step; rank 0 says what was saved
         if not dist.is_initialized() or dist.get_rank() == 0:
             sys.stderr.write(f"{stop}\n")

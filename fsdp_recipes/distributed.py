@@ -170,6 +170,11 @@ class StoppedBySigterm(Exception):
     was saved. run_main prints it on rank 0 and exits SIGTERM_EXIT_CODE."""
 
 
+class RunComplete(Exception):
+    """Raised on every rank by a resume with `auto` that finds output_dir's run complete; run_main prints the message
+    on rank 0 and exits 0: a job requeued after its run finished (a pre-emption during the W&B upload) must not fail."""
+
+
 class SigtermNote:
     """A SIGTERM handler that only notes the signal: a handler cannot run collectives, so the training loop reads
     `received` and stops all ranks at a step boundary.

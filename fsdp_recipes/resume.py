@@ -17,7 +17,7 @@ from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, latest_c
                          read_dcp_metadata, training_data_identity, validate_checkpoint)
 from .config import ROUTER_LOSS_KEYS, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
-from .distributed import print_rank0, ranks
+from .distributed import RunComplete, print_rank0, ranks
 from .schedule import count_total_steps
 
 # Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
@@ -42,7 +42,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     """The checkpoint to resume from, validated against `model`, the tokenizer and the run's training config and
     length; None to start from scratch.
 
-    `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh.
+    `auto` means the one `<output_dir>/latest` names; with no checkpoint in output_dir yet, the run starts fresh, and
+    with the run complete (at its last step, exported) it raises RunComplete.
     Nothing is deleted here, and nothing written but for the rename that puts back a checkpoint a killed re-save
     left as .old (restore_replaced_checkpoint).
     """
@@ -112,6 +113,10 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     if samples_owed:  # output_dir's final/, which may also be listed as the checkpoint's neighbour
         exported = [f for f in exported if os.path.realpath(f) != os.path.realpath(final)]
     at_end = state["step"] == total_steps
+    if cfg.resume_from_checkpoint == "auto" and at_end and final in exported and saved_total == total_steps:
+        raise RunComplete(f"resume: the run in {cfg.output_dir} is complete: {path} is at its last step "
+                          f"({total_steps}) and {final} holds its export, so nothing is left to do (raise max_steps "
+                          f"or num_train_epochs to extend the run)")
     if state["step"] > total_steps or (at_end and (exported or saved_total != total_steps)):
         why = (f", and {exported[0]} holds its export" if at_end and exported
                else ", where the checkpoint's run, of another length, did not end" if at_end else "")

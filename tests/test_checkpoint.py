@@ -40,7 +40,7 @@ from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
-from fsdp_recipes.distributed import DistEnv
+from fsdp_recipes.distributed import DistEnv, RunComplete
 from fsdp_recipes import convert as convert_module, demo, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
@@ -1528,9 +1528,16 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
             == [{k: m[k] for k in numbers if k in m} for m in read_metrics(tmp_path / "whole" / "metrics.jsonl")])
     assert "eval/loss" in read_metrics(tmp_path / "whole" / "metrics.jsonl")[-1]
     assert_same_weights(final_weights(tmp_path / "failed"), final_weights(tmp_path / "whole"))
-    again = run([sys.executable, RECIPE, *resume], expect_rc=2)
-    assert (f"is at step 2 and this run has 2 steps (max_steps, or num_train_epochs when max_steps is -1), and "
-            f"{tmp_path / 'failed' / 'final'} holds its export: nothing is left to train") in again.stderr
+    # Once more (a job requeued after its run finished): nothing is done, and the job succeeds.
+    def files():  # but .run.lock, which each run takes
+        return {p: p.stat().st_mtime_ns for p in (tmp_path / "failed").rglob("*") if p.name != ".run.lock"}
+
+    before = files()
+    again = run([sys.executable, RECIPE, *resume])
+    assert (f"resume: the run in {tmp_path / 'failed'} is complete: {tmp_path / 'failed' / 'checkpoint-2'} is at its "
+            f"last step (2) and {tmp_path / 'failed' / 'final'} holds its export, so nothing is left to do (raise "
+            f"max_steps or num_train_epochs to extend the run)") in again.stdout.splitlines()
+    assert files() == before
     # Into another output_dir, as a way to train more that forgot to raise max_steps: the checkpoint's run has its
     # final/ beside it.
     elsewhere = run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "more", *args, "--resume_from_checkpoint",
@@ -1558,8 +1565,8 @@ def test_a_run_stopped_while_generating_its_samples_is_finished_by_a_resume(tiny
     [sample] = read_metrics(tmp_path / "samples.jsonl")
     assert answer == f"sample: {sample['prompt']!r} -> {sample['completion']!r}"
     assert_same_weights(final_weights(tmp_path), exported)
-    again = run([sys.executable, RECIPE, *args], expect_rc=2)
-    assert f"and {out}/final holds its export: nothing is left to train" in again.stderr
+    again = run([sys.executable, RECIPE, *args])
+    assert f"and {out}/final holds its export, so nothing is left to do" in again.stdout
 
 
 def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_export(tiny, tmp_path):
@@ -1579,8 +1586,11 @@ def test_an_extended_run_whose_final_evaluation_failed_replaces_the_earlier_expo
     assert not torch.equal(final_weights(tmp_path)["model.norm.weight"], earlier["model.norm.weight"])
     assert "eval/loss" in read_metrics(tmp_path / "metrics.jsonl")[-1]
     # Now final/ is the 4-step run's export: nothing is left to do.
-    again = run([sys.executable, RECIPE, *args, "--max_steps", "4"], expect_rc=2)
-    assert f"and {tmp_path / 'final'} holds its export: nothing is left to train" in again.stderr
+    again = run([sys.executable, RECIPE, *args, "--max_steps", "4"])
+    assert f"and {tmp_path / 'final'} holds its export, so nothing is left to do" in again.stdout
+    # Ended at a step the 4-step run has passed, the same auto is refused: final/ would be checkpoint-4's weights.
+    shorter = run([sys.executable, RECIPE, *args, "--max_steps", "3"], expect_rc=2)
+    assert "is at step 4 and this run has 3 steps" in shorter.stderr
 
 
 def test_a_resume_owes_the_samples_of_this_runs_export_alone(tiny, reference, tmp_path, one_process_group, capsys):
@@ -1809,6 +1819,15 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
     same_end = dataclasses.replace(shortened, resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-6"),
                                    max_steps=-1, num_train_epochs=0.375)
     assert resolve_resume(same_end, model, tokenizer, data) == str(tmp_path / "copy" / "checkpoint-6")
+    # With auto and the export written after the checkpoint, the run is complete; but not a run shortened to end at
+    # the checkpoint `latest` names.
+    (tmp_path / "copy" / "final").mkdir()
+    for name, length, done in [("checkpoint-6", {"max_steps": 6}, True), ("checkpoint-4", {"max_steps": 4}, False)]:
+        (tmp_path / "copy" / "latest").write_text(name)
+        auto = dataclasses.replace(shortened, resume_from_checkpoint="auto", **length)
+        with pytest.raises(RunComplete if done else CheckpointError) as error:
+            resolve_resume(auto, model, tokenizer, data)
+        assert ("is complete" in str(error.value)) == done
 
 
 def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_group):
