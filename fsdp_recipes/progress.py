@@ -16,12 +16,16 @@ from tqdm.auto import tqdm
 from .distributed import print_rank0
 
 
-def use_progress_bars(is_main: bool, stream: TextIO | None = None) -> bool:
-    """Bars only on rank 0 and only when its stderr (where tqdm draws) is a terminal with a width: in a log file a bar
-    is noise, and on a terminal of 0 columns (a pseudo-terminal nobody sized: `script`, `docker run -t` in a job) tqdm
-    draws nothing at all, so the plain lines are the only progress shown."""
-    stream = sys.stderr if stream is None else stream
-    return is_main and stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+def use_progress_bars(is_main: bool, stderr: TextIO | None = None, stdout: TextIO | None = None) -> bool:
+    """Bars only on rank 0 and only when its stdout and stderr (where tqdm draws) are a terminal, stderr one with a
+    width: in a log file a bar is noise; with stdout alone sent to a file (`| tee train.log`, `> train.log`) the
+    file would lack the step lines the bar stands for; and on a terminal of 0 columns (a pseudo-terminal nobody
+    sized: `script`, `docker run -t` in a job) tqdm draws nothing at all, so the plain lines are the only progress
+    shown."""
+    stderr = sys.stderr if stderr is None else stderr
+    stdout = sys.stdout if stdout is None else stdout
+    return (is_main and stdout.isatty() and stderr.isatty()
+            and os.get_terminal_size(stderr.fileno()).columns > 0)
 
 
 def configure_progress_bars(is_main: bool) -> bool:
@@ -37,7 +41,6 @@ def print_line(line: str) -> None:
     """print_rank0 that keeps the bars intact where they are drawn: tqdm.write clears them, prints, redraws them."""
     if use_progress_bars(not dist.is_initialized() or dist.get_rank() == 0):
         tqdm.write(line)
-        sys.stdout.flush()  # as print_rank0 does: stdout may be a pipe (tee) while the bars are on the terminal
     else:
         print_rank0(line)
 

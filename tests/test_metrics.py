@@ -9,6 +9,7 @@ import math
 import os
 import re
 import struct
+import subprocess
 import sys
 import termios
 import types
@@ -19,7 +20,7 @@ import wandb
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, read_metrics, run, run_on_terminal, torchrun, write_tiny_model
+from conftest import REPO, read_metrics, run, run_on_terminal, subprocess_env, torchrun, write_tiny_model
 from fsdp_recipes import progress, trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
@@ -542,9 +543,11 @@ def test_progress_bar_only_on_rank0_in_a_terminal(observed):
     leader, follower = os.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     with os.fdopen(follower, "w") as terminal:
-        assert use_progress_bars(True, terminal) and not use_progress_bars(False, terminal)
+        assert use_progress_bars(True, terminal, terminal) and not use_progress_bars(False, terminal, terminal)
+        # stdout sent to a file (`| tee train.log`): the file gets the step lines, so no bar stands for them.
+        assert not use_progress_bars(True, terminal, io.StringIO())
     os.close(leader)
-    assert not use_progress_bars(True, io.StringIO())
+    assert not use_progress_bars(True, io.StringIO(), io.StringIO())
     progress = TrainingProgress(total_steps=10, start_step=4, show_bar=True)
     progress.advance()
     progress.logged({"step": 5, "loss": 1.25, "tokens_per_second": 300.0})
@@ -582,6 +585,14 @@ def test_loading_and_tokenization_bars_only_in_a_terminal():
              "print(shown, datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())")
     assert run_on_terminal([sys.executable, "-c", check]).stdout.strip() == "True True True"
     assert run([sys.executable, "-c", check]).stdout.strip() == "False False False"  # a log file: no bars
+    # stderr on a terminal, stdout to a pipe (`| tee train.log`): no bars either.
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    piped = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                           stderr=follower, text=True, check=True)
+    os.close(follower)
+    os.close(leader)
+    assert piped.stdout.strip() == "False False False"
     # A terminal of 0 columns (`script`, `docker run -t` in a job), on which tqdm would draw nothing: plain lines.
     assert run_on_terminal([sys.executable, "-c", check], columns=0).stdout.strip() == "False False False"
 
