@@ -69,7 +69,8 @@ def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, us
                      device: torch.device, attn_implementation: str,
                      trust_remote_code: bool = False) -> list[dict]:
     """Greedy answers of the model folder `model_dir` (see load_exported_model) to each prompt, one at a time:
-    sampling off, the folder's other generation settings (a repetition_penalty) kept, as a server applies them.
+    sampling and beam search off, the folder's other generation settings (a repetition_penalty) kept, as a server
+    applies them.
 
     With use_chat_template each prompt is a user turn followed by the assistant's generation prompt, as chat and
     instruction data are trained; otherwise it is plain text after the BOS token, as prompt/completion data are.
@@ -81,7 +82,8 @@ def generate_samples(model_dir: str, prompts: list[str], max_new_tokens: int, us
         inputs = tokenizer(prompt_text(tokenizer, prompt, use_chat_template), return_tensors="pt",
                            add_special_tokens=False).to(device)
         # The tokenizer: transformers needs it for a generation config's stop_strings.
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+        # num_beams 1: a folder's num_beams would otherwise make it beam search, which a server does not apply.
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                 pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer)
         completion = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         samples.append({"prompt": prompt, "completion": completion})

@@ -103,6 +103,31 @@ def test_samples_are_greedy_and_plain_text_whatever_the_folders_generation_confi
     assert sample["completion"] == tokenizer.decode(greedy[ids.shape[1]:-1])
 
 
+def test_a_folder_whose_generation_config_asks_for_beam_search_is_answered_greedily(tiny, tmp_path):
+    """generate takes num_beams from the folder's generation_config.json: do_sample false alone ran beam search."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = shutil.copytree(tiny["model"], tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    generation_config = GenerationConfig.from_pretrained(folder)
+    generation_config.update(num_beams=4)
+    generation_config.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    prompts = ["reverse: abcd", "reverse: deadbeef", "reverse: xyz"]
+    answers = {}
+    for num_beams in (1, 4):
+        for prompt in prompts:
+            ids = tokenizer(tokenizer.bos_token + prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            output = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=num_beams,
+                                    pad_token_id=tokenizer.pad_token_id)[0]
+            answers.setdefault(num_beams, []).append(tokenizer.decode(output[ids.shape[1]:], skip_special_tokens=True))
+    assert answers[1] != answers[4]  # beam search answers otherwise here
+    samples = generate_samples(str(folder), prompts, 8, False, torch.device("cpu"), "sdpa")
+    assert [s["completion"] for s in samples] == answers[1]
+
+
 def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_before_training(tiny, tmp_path):
     """GPT-2's positions are a table: generation past it fails with an IndexError (a device-side assert on a GPU),
     after the whole run. The recipe refuses such a prompt before the first step."""
