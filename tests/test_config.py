@@ -296,6 +296,25 @@ def test_yaml_values_are_checked_like_the_command_line(tmp_path, text, message):
         parse_config(["--config", write_yaml(tmp_path, f"model_name_or_path: m\ndataset_name: d\n{text}\n")])
 
 
+def test_booleans_take_the_spellings_the_readme_gives(tmp_path):
+    """README, Sharding: true/false or yes/no; the command line also 1/0, y/n, t/f (transformers' HfArgumentParser);
+    YAML also on/off. Anything else names the key."""
+    def offload(args, yaml_text=""):
+        config = ["--config", write_yaml(tmp_path, f"model_name_or_path: m\ndataset_name: d\n{yaml_text}\n")]
+        return parse_config(config + args).fsdp_offload_params
+
+    for word, value in [("true", True), ("yes", True), ("1", True), ("y", True), ("T", True), ("false", False),
+                        ("No", False), ("0", False), ("n", False), ("f", False)]:
+        assert offload(["--fsdp_offload_params", word]) is value, word
+    for word, value in [("true", True), ("yes", True), ("on", True), ("false", False), ("no", False), ("off", False)]:
+        assert offload([], f"fsdp_offload_params: {word}") is value, word
+    with pytest.raises(ConfigError, match=r"^the command line: argument --fsdp_offload_params.*: Truthy value expected: "
+                                          r"got on"):
+        offload(["--fsdp_offload_params", "on"])
+    with pytest.raises(ConfigError, match=r"^fsdp_offload_params must be true or false or null, got 1$"):
+        offload([], "fsdp_offload_params: 1")
+
+
 def test_the_wandb_project_defaults_to_the_environments_as_wandb_reads_it(monkeypatch):
     args = ["--model_name_or_path", "m", "--dataset_name", "d", "--report_to", "wandb"]
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
