@@ -2,6 +2,7 @@
 
 import bz2
 import codecs
+import dataclasses
 import gzip
 import inspect
 import json
@@ -2164,6 +2165,21 @@ def test_readme_data_example_is_a_valid_config(tmp_path):
     # "all keys shown": every key of the config's Data group, in its order.
     group = inspect.getsource(TrainConfig).split("# Data (see README")[1].split("# Optimisation.")[0]
     assert list(yaml.safe_load(block)) == re.findall(r"^    (\w+):", group, flags=re.M)
+
+
+def test_readme_data_example_names_the_default_where_its_value_is_another():
+    """Most of the example's values are the defaults: one that is not (max_seq_length 2048, where the default is 1024)
+    says the default in its comment, or a reader takes it for one."""
+    text = (REPO / "README.md").read_text()
+    [block] = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    checked = 0
+    for key, value, comment in re.findall(r"^(\w+): (.*?)(?:\s+#\s*(.*))?$", block, flags=re.M):
+        default = defaults[key]
+        if default is not None and yaml.safe_load(value) != default:
+            assert re.search(rf"\bdefault {default:g}\b", comment), (key, comment)
+            checked += 1
+    assert checked == 2  # eval_fraction and max_seq_length
 
 
 def test_eval_settings_are_checked():
