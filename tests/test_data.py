@@ -1451,6 +1451,19 @@ def test_column_mapping_and_weighted_mixture(tmp_path, capsys):
     assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
 
 
+def test_a_mixture_holds_out_eval_fraction_of_each_data_set_before_its_weight(tmp_path):
+    """README, Data: eval_fraction holds out its share of each data set; the weight then applies to the rest, not to
+    the eval split, which holds no example of the training split."""
+    demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
+    demo.write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "completion": "x"} for i in range(10)])
+    train, eval_set = build_datasets(cfg(f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl", dataset_weights="0.5,3",
+                                         eval_fraction=0.2), TOKENIZER)
+    source = lambda split: [TOKENIZER.convert_ids_to_tokens(ids[1]) for ids in split["input_ids"]]  # after <|bos|>
+    assert (source(train).count("a"), source(train).count("b")) == (8, 24)  # 0.5 x 16 and 3 x 8
+    assert (source(eval_set).count("a"), source(eval_set).count("b")) == (4, 2)  # 0.2 x 20 and 0.2 x 10
+    assert not {tuple(ids) for ids in train["input_ids"]} & {tuple(ids) for ids in eval_set["input_ids"]}
+
+
 def test_column_mapping_may_swap_columns_and_renames_the_held_out_split_too(tmp_path):
     swapped = [{"prompt": row["completion"], "completion": row["prompt"]} for row in ROWS]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(swapped[:30]),
