@@ -48,6 +48,8 @@ def test_defaults_without_a_launcher(monkeypatch):
     assert (plan.fsdp_version, plan.reshard_after_forward, plan.mixed_precision) == (2, True, "bf16")
     assert not (plan.offload_params or plan.activation_checkpointing or plan.cpu_ram_efficient_loading)
     assert plan.overrides == []
+    assert (plan.auto_wrap_policy, plan.gradient_sync) == ("TRANSFORMER_BASED_WRAP", "every_micro_batch")
+    assert plan_for("--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP").min_num_params == 100_000_000  # README: 1e8
 
 
 def test_the_recipe_format_over_accelerate_local_state_dict_is_reported(accelerate_env):
