@@ -197,7 +197,8 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                           f"single commas")
     weights = parse_weights(cfg.dataset_weights) if cfg.dataset_weights else [1.0] * len(names)
     if len(weights) != len(names):
-        raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name")
+        raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name: give "
+                          f"one weight per data set, in dataset_name's order")
     if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
         raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
 

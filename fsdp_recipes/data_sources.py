@@ -708,7 +708,9 @@ def weighted_sample(dataset: datasets.Dataset, weight: float, seed: int) -> data
     """round(weight x len) examples: whole copies for the integer part, a seeded random subset for the rest."""
     n = round(weight * len(dataset))
     if n == 0:
-        raise ConfigError(f"dataset weight {weight} of a data set of {len(dataset)} examples keeps none of them")
+        # round(0.5) is 0: a weight must give more than half an example.
+        raise ConfigError(f"dataset weight {weight:g} of a data set of {len(dataset)} examples keeps none of them: "
+                          f"raise it above {0.5 / len(dataset):g}, or leave the data set out")
     copies, rest = divmod(n, len(dataset))
     parts = [dataset] * copies
     if rest:

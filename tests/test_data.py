@@ -1745,9 +1745,12 @@ def bad_input_cases(tmp_path):
         (cfg(tmp_path / "ok.jsonl", dataset_weights="0"), r"positive numbers .*got '0'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="inf"), r"positive numbers .*got 'inf'"),
         (cfg(tmp_path / "ok.jsonl", dataset_weights="0.01"), r"^dataset weight 0.01 of a data set of 40 examples "
-                                                               r"keeps none of them$"),
+                                                               r"keeps none of them: raise it above 0.0125, or leave "
+                                                               r"the data set out$"),
         (cfg(tmp_path / "ok.jsonl", dataset_column_mapping="questoin=prompt"), r"renames 'questoin', which no data"),
-        (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"2 values for 1 data sets"),
+        (cfg(tmp_path / "ok.jsonl", dataset_weights="1,2"), r"^dataset_weights has 2 values for 1 data sets in "
+                                                            r"dataset_name: give one weight per data set, in "
+                                                            r"dataset_name's order$"),
         (cfg(tmp_path / "both.jsonl", dataset_column_mapping="question=prompt"),
          r"renames 'question' to 'prompt', but .*both.jsonl already has a column 'prompt': rename that one too"),
         (cfg(tmp_path / "chat.csv"), r"^.*chat.csv \[train\]: row 1 \(line 2\): 'messages' must be a non-empty list of "
