@@ -308,8 +308,8 @@ def test_booleans_take_the_spellings_the_readme_gives(tmp_path):
         assert offload(["--fsdp_offload_params", word]) is value, word
     for word, value in [("true", True), ("yes", True), ("on", True), ("false", False), ("no", False), ("off", False)]:
         assert offload([], f"fsdp_offload_params: {word}") is value, word
-    with pytest.raises(ConfigError, match=r"^the command line: argument --fsdp_offload_params.*: Truthy value expected: "
-                                          r"got on"):
+    with pytest.raises(ConfigError, match=r"^the command line: argument --fsdp_offload_params.*: Truthy value "
+                                          r"expected: got on"):
         offload(["--fsdp_offload_params", "on"])
     with pytest.raises(ConfigError, match=r"^fsdp_offload_params must be true or false or null, got 1$"):
         offload([], "fsdp_offload_params: 1")
