@@ -101,16 +101,18 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
             f"{os.path.basename(recipe)} trains {', '.join(model_types)} models, but {cfg.model_name_or_path} is a "
             f"{config.model_type} model: {_recipe_advice(config.model_type, recipe)}"
         )
-    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
-                     "soft-capping")
-    if model_types is not None:
-        _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
-    elif os.environ.get("RANK", "0") == "0":  # before the process group: rank 0 says it once
+    # The generic recipe names the family's recipe first: its YAML holds what the attention check may ask for
+    # (Gemma 2's eager attention).
+    if model_types is None and os.environ.get("RANK", "0") == "0":  # before the process group: rank 0 says it once
         family = recipes_training(config.model_type, os.path.dirname(recipe) or ".")
         if family:  # trained here without the family's YAML defaults (Qwen3-MoE's router loss): say so
             print(f"note: {family[0]} trains {config.model_type} models with its family's defaults (its YAML config "
                   f"in {os.path.join(os.path.dirname(family[0]), 'configs')}); {os.path.basename(recipe)} trains it "
                   f"with the config given here", flush=True)
+    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
+                     "soft-capping")
+    if model_types is not None:
+        _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
     check_attention_implemented(cfg.attn_implementation, config)
 
 

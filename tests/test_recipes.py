@@ -373,6 +373,19 @@ def test_recipe_refuses_another_family_and_gemma2_with_sdpa(tmp_path, capsys):
         assert re.search(f"^error: {message}", proc.stderr, re.MULTILINE), proc.stderr
 
 
+def test_the_generic_recipe_names_gemma2s_recipe_before_refusing_its_sdpa(tmp_path, capsys):
+    """Gemma 2 through sft.py with sft.yaml's sdpa stops on the soft-capping check: the note that names
+    gemma_sft.py, whose YAML holds the eager attention it needs, comes first, not only for a model that passes."""
+    gemma2 = write_model(tmp_path / "gemma2", FAMILIES["gemma2"][2])
+    generic = ["--config", "recipes/configs/sft.yaml", "--model_name_or_path", str(gemma2), "--dataset_name", "d"]
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match="^gemma2 models need attn_implementation eager or "):
+        check_model_type(parse_config(generic), None, "recipes/sft.py")
+    assert capsys.readouterr().out == ("note: recipes/gemma_sft.py trains gemma2 models with its family's defaults "
+                                       "(its YAML config in recipes/configs); sft.py trains it with the config given "
+                                       "here\n")
+
+
 def test_an_attention_implementation_the_model_class_lacks_is_refused_before_loading(tmp_path):
     """BLOOM has no sdpa, the default: from_pretrained raised it after the data were tokenized, as a traceback on each
     rank with advice for Python code (`attn_implementation="eager"`)."""
