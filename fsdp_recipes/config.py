@@ -450,8 +450,9 @@ TRAINING_ARGUMENTS_NAMES = {
 
 
 def _unknown_key_error(key: str, source: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = (f" TrainingArguments' {key} is {TRAINING_ARGUMENTS_NAMES[key]} here." if key in TRAINING_ARGUMENTS_NAMES
+    name = key.replace("-", "_")  # argparse, HfArgumentParser's too, takes --gradient-checkpointing for the key
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = (f" TrainingArguments' {name} is {TRAINING_ARGUMENTS_NAMES[name]} here." if name in TRAINING_ARGUMENTS_NAMES
             else f" Did you mean '{close[0]}'?" if close else
             " (A key of your own: declare it in a @dataclass subclass of TrainConfig, passed to parse_config as "
             "config_class.)")

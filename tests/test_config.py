@@ -144,6 +144,11 @@ def test_a_training_arguments_name_that_differs_here_is_named_with_this_configs_
                                           r"TrainingArguments' gradient_checkpointing is "
                                           r"fsdp_activation_checkpointing: true here\."):
         parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_checkpointing", "true"])
+    # argparse spells every key with hyphens too, as TrainingArguments' users may type them: the same advice.
+    with pytest.raises(ConfigError, match=r"^unknown config key 'gradient-checkpointing' in the command line\. "
+                                          r"TrainingArguments' gradient_checkpointing is "
+                                          r"fsdp_activation_checkpointing: true here\."):
+        parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--gradient-checkpointing", "true"])
 
 
 def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch):
