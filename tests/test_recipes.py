@@ -795,6 +795,9 @@ def test_sync_of_a_folder_without_recipes_says_so_and_of_recipes_in_sync_says_th
     proc = run([*sync, tmp_path])
     assert proc.stdout == (f"every recipe in {tmp_path} already has the shared part of "
                            f"{REPO}/recipes/llama_sft.py\n")
+    # A new recipe, unlike --sync, is written into a folder that does not exist yet: created, its configs/ too.
+    proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "olmo2", "--recipes_dir", tmp_path / "mine"])
+    assert proc.stdout == f"wrote {tmp_path}/mine/olmo2_sft.py\nwrote {tmp_path}/mine/configs/olmo2_sft.yaml\n"
 
 
 def test_sync_splits_a_recipe_at_its_marker_lines_after_the_docstring(tmp_path):
