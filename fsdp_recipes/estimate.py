@@ -64,9 +64,9 @@ class Setting:
         # would otherwise refuse fsdp_reshard_after_forward.
         keys = ["fsdp_version: 2", "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
                 f"fsdp_reshard_after_forward: {str(self.strategy != 'SHARD_GRAD_OP').lower()}"]
-        # On several nodes the replica count is always given: slurm/launch_node.sh sets accelerate's to the node
-        # count (HSDP), and FULL_SHARD and SHARD_GRAD_OP, estimated over every GPU, need the recipe's 1 to override it.
-        keys += [f"dp_replicate_size: {num_nodes if self.strategy == 'HSDP' else 1}"] * (num_nodes > 1)
+        # The replica count too: slurm/launch_node.sh sets accelerate's to the node count (HSDP), and a copied recipe
+        # YAML may set one on one node; FULL_SHARD and SHARD_GRAD_OP, estimated over every GPU, need the recipe's 1.
+        keys += [f"dp_replicate_size: {num_nodes if self.strategy == 'HSDP' else 1}"]
         # Not modelled, so ruled out: size-based units, and last_micro_batch's full gradients between micro-batches.
         keys += [f"fsdp_activation_checkpointing: {str(self.activation_checkpointing).lower()}",
                  f"fsdp_offload_params: {str(self.offload).lower()}", "gradient_sync: every_micro_batch"]

@@ -537,6 +537,18 @@ def test_recipe_keys_override_a_recipe_configs_settings_the_estimate_does_not_mo
                                                                              "every_micro_batch")
 
 
+def test_recipe_keys_on_one_node_override_a_recipe_configs_replicas(tmp_path, monkeypatch):
+    # A copied recipe YAML that runs HSDP within a node (2 replicas of 4 GPUs): the one-node proposal, estimated
+    # sharded over all 8 GPUs, gives the replica count as every other setting it assumes.
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    (tmp_path / "recipe.yaml").write_text("dp_replicate_size: 2\n")
+    keys = [f"--{key}={value}" for key, value in (pair.split(": ") for pair in
+                                                  Setting("FULL_SHARD", False, False).recipe_keys(1).split(", "))]
+    plan = resolve_plan(parse_config(["--config", str(tmp_path / "recipe.yaml"), "--model_name_or_path", "m",
+                                      "--dataset_name", "d", *keys]))
+    assert plan.dp_replicate_size == 1
+
+
 def test_recipe_keys_of_every_precision_read_back_as_a_recipe_config(configs, llama_70b, tmp_path):
     model, saved = llama_70b
     for precision in ("bf16", "no", "pure_bf16"):
