@@ -934,6 +934,20 @@ def test_a_relative_path_that_is_not_there_names_the_directory_it_was_looked_for
         load_split("data/chats/part1", None, "train")
 
 
+def test_code_of_its_own_for_a_model_type_transformers_has_runs_only_with_trust_remote_code(tmp_path):
+    """As Phi-3.5's config.json names modeling_phi3.py: transformers' class trains unless trust_remote_code is set."""
+    model_dir = write_model(tmp_path / "model", FAMILIES["llama"][2])
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoModelForCausalLM": "modeling_own.OwnForCausalLM"}}))
+    (model_dir / "modeling_own.py").write_text(
+        "from transformers import LlamaForCausalLM\n\n\nclass OwnForCausalLM(LlamaForCausalLM):\n    pass\n")
+    args = ["--model_name_or_path", str(model_dir), "--dataset_name", "d"]
+    check_model_type(parse_config(args), {"llama": None}, "recipes/llama_sft.py")
+    assert type(load_model(parse_config(args))).__name__ == "LlamaForCausalLM"
+    assert type(load_model(parse_config([*args, "--trust_remote_code", "true"]))).__name__ == "OwnForCausalLM"
+
+
 def test_a_model_config_that_cannot_be_read_says_what_to_change(tmp_path):
     # A model with code of its own: the recipe key, not transformers' Python keyword and Hub URL for a local folder.
     (tmp_path / "custom").mkdir()
