@@ -5,6 +5,7 @@ import shlex
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO, read_metrics, run
 
@@ -50,6 +51,13 @@ def test_gpu_command_runs_with_local_model_and_data(tiny, tmp_path):
     assert "over 2 ranks" in proc.stdout
     assert [m["step"] for m in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [2]
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_the_gpu_commands_config_starts_the_processes_the_readme_says():
+    # "fsdp2.yaml starts 8 processes, one per GPU of an 8-GPU node": the count a node of another size overrides.
+    config = yaml.safe_load((REPO / "accelerate_configs" / "fsdp2.yaml").read_text())
+    assert (config["num_machines"], config["num_processes"]) == (1, 8)
+    assert "`fsdp2.yaml` starts 8 processes, one per GPU of an 8-GPU node" in (REPO / "README.md").read_text()
 
 
 def test_help_lists_the_config_keys():
