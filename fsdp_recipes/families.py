@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .config import ConfigError, TrainConfig, is_local_path, looked_in
+from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
 from .new_recipe import REPO, generic_recipe, recipe_advice, recipes_training
 
 
@@ -72,7 +73,8 @@ def hub_cache_miss(key: str, name: str, error: Exception) -> str | None:
 
 
 def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | None] | None, recipe: str) -> None:
-    """The model must be one of the recipe's model types, with an attention implementation that computes it exactly.
+    """The model must be one of the recipe's model types, with an attention implementation that computes it exactly,
+    and take the router-loss keys the recipe config sets.
 
     A recipe's YAML holds defaults for its family (e.g. Gemma 2's eager attention), so another family's model is
     refused rather than trained with them. `model_types` maps config.json's model_type to the attention
@@ -114,6 +116,46 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     if model_types is not None:
         _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
     check_attention_implemented(cfg.attn_implementation, config)
+    model_config_overrides(cfg)  # router-loss keys the model cannot take: now, not after the data
+
+
+def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
+    """Model config attributes the recipe config sets (the MoE router loss), and the values config.json has for them,
+    which the exported folders keep (batched generate fails with output_router_logits on). One the model lacks is
+    an error."""
+    overrides = {key: getattr(cfg, key) for key in ROUTER_LOSS_KEYS if getattr(cfg, key) is not None}
+    if not overrides:
+        return {}, {}
+    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    # The trainer adds router_aux_loss_coef x the aux_loss of transformers' load_balancing_loss_func: a model with a
+    # router but without these would train without the loss (DeepSeek V3, Llama 4) or fail at its first step
+    # (JetMoE's and DBRX's coefficients have other names).
+    # None: the checkpoint's own code, not known before loading; with trust_remote_code, an auto_map entry for
+    # AutoModelForCausalLM loads that code even where config.json's model_type (and so the config class) is native.
+    own_code = cfg.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    model_class = (AutoModelForCausalLM._model_mapping[type(config)]
+                   if type(config) in AutoModelForCausalLM._model_mapping and not own_code else None)
+    if (hasattr(config, "output_router_logits") and model_class is not None
+            and overrides.get("output_router_logits", "router_aux_loss_coef" in overrides)
+            and not (hasattr(sys.modules[model_class.__module__], "load_balancing_loss_func")
+                     and hasattr(config, "router_aux_loss_coef"))):
+        raise ConfigError(f"{', '.join(overrides)} is set, but {model_class.__name__} does not compute the router "
+                          f"load-balancing loss that the trainer weighs (transformers' load_balancing_loss_func, with "
+                          f"router_aux_loss_coef): the run would train without it, or fail at its first step. Remove "
+                          f"it, or set output_router_logits false")
+    missing = [key for key in overrides if not hasattr(config, key)]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting (no "
+                          "router load-balancing loss to turn on or weigh: a dense model, or a mixture of experts "
+                          "whose forward computes none): remove it")
+    # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
+    # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
+    if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
+            and not getattr(config, "output_router_logits", False)):
+        raise ConfigError("router_aux_loss_coef is set, but the model's config.json has output_router_logits "
+                          "false, so the model computes no router loss: add --output_router_logits true, or "
+                          "remove router_aux_loss_coef")
+    return overrides, {key: getattr(config, key) for key in overrides}
 
 
 def _recipe_advice(model_type: str, recipe: str) -> str:

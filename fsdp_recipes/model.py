@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import jinja2
 import torch
@@ -15,10 +14,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
+from .config import ConfigError, TrainConfig, is_local_path, looked_in
 from .distributed import long_wait_group, print_rank0, run_on_rank0
 from . import fsdp1
-from .families import hub_cache_miss, model_load_error
+from .families import hub_cache_miss, model_config_overrides, model_load_error
 from .plan import ShardingPlan
 from .sharding import MASTER_DTYPE, buffers_beside_parameters, kept_in_fp32, shard_model, state_dict_name
 
@@ -71,45 +70,6 @@ def export_dtype(cfg: TrainConfig) -> torch.dtype:
     config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
     dtype = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def model_config_overrides(cfg: TrainConfig) -> tuple[dict, dict]:
-    """Model config attributes the recipe config sets (the MoE router loss), and the values config.json has for them,
-    which the exported folders keep (batched generate fails with output_router_logits on). One the model lacks is
-    an error."""
-    overrides = {key: getattr(cfg, key) for key in ROUTER_LOSS_KEYS if getattr(cfg, key) is not None}
-    if not overrides:
-        return {}, {}
-    config = AutoConfig.from_pretrained(cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    # The trainer adds router_aux_loss_coef x the aux_loss of transformers' load_balancing_loss_func: a model with a
-    # router but without these would train without the loss (DeepSeek V3, Llama 4) or fail at its first step
-    # (JetMoE's and DBRX's coefficients have other names).
-    # None: the checkpoint's own code, not known before loading; with trust_remote_code, an auto_map entry for
-    # AutoModelForCausalLM loads that code even where config.json's model_type (and so the config class) is native.
-    own_code = cfg.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    model_class = (AutoModelForCausalLM._model_mapping[type(config)]
-                   if type(config) in AutoModelForCausalLM._model_mapping and not own_code else None)
-    if (hasattr(config, "output_router_logits") and model_class is not None
-            and overrides.get("output_router_logits", "router_aux_loss_coef" in overrides)
-            and not (hasattr(sys.modules[model_class.__module__], "load_balancing_loss_func")
-                     and hasattr(config, "router_aux_loss_coef"))):
-        raise ConfigError(f"{', '.join(overrides)} is set, but {model_class.__name__} does not compute the router "
-                          f"load-balancing loss that the trainer weighs (transformers' load_balancing_loss_func, with "
-                          f"router_aux_loss_coef): the run would train without it, or fail at its first step. Remove "
-                          f"it, or set output_router_logits false")
-    missing = [key for key in overrides if not hasattr(config, key)]
-    if missing:
-        raise ConfigError(f"{', '.join(missing)} is set, but {config.model_type} models have no such setting (no "
-                          "router load-balancing loss to turn on or weigh: a dense model, or a mixture of experts "
-                          "whose forward computes none): remove it")
-    # The model computes aux_loss only with output_router_logits: a coefficient alone would weigh nothing.
-    # (output_router_logits false in the recipe config turns the loss off on purpose, coefficient or not.)
-    if (overrides.get("router_aux_loss_coef") and cfg.output_router_logits is None
-            and not getattr(config, "output_router_logits", False)):
-        raise ConfigError("router_aux_loss_coef is set, but the model's config.json has output_router_logits "
-                          "false, so the model computes no router loss: add --output_router_logits true, or "
-                          "remove router_aux_loss_coef")
-    return overrides, {key: getattr(config, key) for key in overrides}
 
 
 def load_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

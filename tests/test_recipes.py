@@ -721,6 +721,14 @@ def test_router_loss_keys_are_refused_for_a_dense_model(tmp_path):
     assert model_config_overrides(own)[0] == {"output_router_logits": True}
 
 
+def test_router_loss_keys_a_model_cannot_take_are_refused_before_the_data_are_tokenized(tmp_path):
+    # With the model's family and attention, from config.json alone: not at the model load, after the data.
+    llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
+    cfg = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "d", "--output_router_logits", "true"])
+    with pytest.raises(ConfigError, match="^output_router_logits is set, but llama models have no such setting"):
+        check_model_type(cfg, None, "recipes/sft.py")
+
+
 def test_router_loss_coefficient_without_router_logits_is_refused(tmp_path):
     moe = write_model(tmp_path / "moe", FAMILIES["qwen3_moe"][2])  # output_router_logits: false, as on the Hub
     args = ["--model_name_or_path", str(moe), "--dataset_name", "data.jsonl", "--router_aux_loss_coef", "0.01"]
