@@ -81,6 +81,11 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
     implementations the recipe allows for it (None: those of exact_attention, or any); `model_types` None (the
     generic recipe) takes every model type, with the attention implementations of exact_attention.
     """
+    for model_type, allowed in (model_types or {}).items():
+        # A bare string would be read letter by letter: "eager" allowing "e", refusing sdpa as "e or a or g ...".
+        if allowed is not None and (isinstance(allowed, str) or not all(isinstance(a, str) for a in allowed)):
+            raise TypeError(f"{os.path.basename(recipe)}: MODEL_TYPES[{model_type!r}] must be None or a tuple of "
+                            f"attention implementations, such as (\"eager\",), got {allowed!r}")
     name = cfg.model_name_or_path
     if is_local_path(name) and not os.path.exists(name):
         raise ConfigError(f"model_name_or_path {name}: no such folder{looked_in(name)}")

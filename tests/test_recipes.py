@@ -386,6 +386,17 @@ def test_the_generic_recipe_names_gemma2s_recipe_before_refusing_its_sdpa(tmp_pa
                                        "here\n")
 
 
+def test_a_recipes_attention_implementations_are_a_tuple(tmp_path):
+    # As the README writes them: ("eager",). A bare "eager" would allow "e" and refuse sdpa as "e or a or g or ...".
+    llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
+    cfg = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "d", "--attn_implementation", "eager"])
+    check_model_type(cfg, {"llama": ("eager", "flash_attention_2")}, "recipes/olmo2_sft.py")
+    with pytest.raises(TypeError) as error:
+        check_model_type(cfg, {"llama": "eager"}, "recipes/olmo2_sft.py")
+    assert str(error.value) == ("olmo2_sft.py: MODEL_TYPES['llama'] must be None or a tuple of attention "
+                                "implementations, such as (\"eager\",), got 'eager'")
+
+
 def test_an_attention_implementation_the_model_class_lacks_is_refused_before_loading(tmp_path):
     """BLOOM has no sdpa, the default: from_pretrained raised it after the data were tokenized, as a traceback on each
     rank with advice for Python code (`attn_implementation="eager"`)."""
