@@ -210,6 +210,12 @@ def reference_of(name: str) -> str:
     return next(n for n, v in VARIANTS.items() if v == (1, "plain", precision, data))
 
 
+def missing_references(names: list[str]) -> list[str]:
+    """The references of the variants `names` that `names` leaves out: every variant's ratio is to the reference run
+    of its round, which a subset such as --variants "FSDP2 fp32 packed" would otherwise lack."""
+    return list(dict.fromkeys(reference_of(name) for name in names if reference_of(name) not in names))
+
+
 def summarize(name: str, runs: dict[str, list[dict]]) -> dict:
     """A variant's median tokens/s over its runs, and the median of its ratios to the reference run of each round."""
     mine = runs[name]
@@ -218,11 +224,10 @@ def summarize(name: str, runs: dict[str, list[dict]]) -> dict:
     result["real_tokens_per_second"] = statistics.median(r["real_tokens_per_second"] for r in mine)
     result["real_tokens_per_second_of_each_run"] = [r["real_tokens_per_second"] for r in mine]
     result["peak_rss_mb_per_rank"] = [max(rss) for rss in zip(*(r["peak_rss_mb_per_rank"] for r in mine))]
-    reference = runs.get(reference_of(name))
-    if reference:
-        ratios = [r["real_tokens_per_second"] / ref["real_tokens_per_second"] for r, ref in zip(mine, reference)]
-        result["ratio_to_reference_of_each_round"] = [round(x, 3) for x in ratios]
-        result["ratio_to_reference"] = round(statistics.median(ratios), 2)
+    ratios = [r["real_tokens_per_second"] / ref["real_tokens_per_second"]
+              for r, ref in zip(mine, runs[reference_of(name)])]
+    result["ratio_to_reference_of_each_round"] = [round(x, 3) for x in ratios]
+    result["ratio_to_reference"] = round(statistics.median(ratios), 2)
     return result
 
 
@@ -231,9 +236,8 @@ def print_table(results: list[dict]) -> None:
     print(header)
     print("-" * len(header))
     for r in results:
-        ratio = f"{r['ratio_to_reference']:.2f}" if "ratio_to_reference" in r else "-"
         print(f"{r['variant']:40s} {r['processes']:>8d} x {r['threads_per_process']:<4d} "
-              f"{r['real_tokens_per_second']:10.0f} {ratio:>7s} {r['real_token_share']:10.2f}  "
+              f"{r['real_tokens_per_second']:10.0f} {r['ratio_to_reference']:7.2f} {r['real_token_share']:10.2f}  "
               f"{', '.join(map(str, r['peak_rss_mb_per_rank']))}")
 
 
@@ -281,6 +285,10 @@ def main() -> None:
     # 2 processes split each step's micro-batches: an odd count would leave one out of theirs, not the reference's.
     if args.micro_batches % 2 and any(VARIANTS[n][0] == 2 for n in names):
         raise SystemExit(f"--micro_batches {args.micro_batches} does not split over 2 processes: pass an even count")
+    added = missing_references(names)
+    if added:
+        print(f"adding {', '.join(added)}: each variant's ratio is to the reference run of its round", flush=True)
+        names = added + names
     passthrough = [f"--{k}={v}" for k, v in vars(args).items()
                    if k not in ("out", "variants", "repeats", "worker")]
     info = machine()

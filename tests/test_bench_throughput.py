@@ -11,8 +11,11 @@ def test_throughput_benchmark_compares_variants_on_the_same_batches(tmp_path):
     out = tmp_path / "throughput.json"
     proc = run([sys.executable, "bench/train_throughput.py", "--out", out, "--vocab_size", "500", "--hidden_size", "64",
                 "--num_layers", "1", "--max_seq_length", "64", "--steps", "1", "--repeats", "2",
-                "--variants", "reference fp32 packed,FSDP2 fp32 packed"])
+                "--variants", "FSDP2 fp32 packed"])
+    # The ratio needs the reference of each round: a variant named without it runs with it (it showed "-").
+    assert "adding reference fp32 packed: each variant's ratio is to the reference run of its round" in proc.stdout
     reference, fsdp2 = json.loads(out.read_text())["results"]
+    assert (reference["variant"], reference["ratio_to_reference"]) == ("reference fp32 packed", 1.0)
     assert (reference["processes"], reference["threads_per_process"]) == (1, 2)  # same total cores
     assert (fsdp2["processes"], fsdp2["threads_per_process"]) == (2, 1)
     # The two ranks together see exactly the real tokens the single process sees.
