@@ -175,13 +175,13 @@ def worker(args) -> None:
     exit_process(0)
 
 
-def run_variant(name: str, passthrough: list[str], timeout: float) -> dict:
+def run_variant(name: str, passthrough: list[str], timeout: float, budget_s: float) -> dict:
     """One variant in a process of its own: its RESULT, or the error that stopped it."""
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name, *passthrough],
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"variant": name, "error": "timed out: time budget spent"}
+    except subprocess.TimeoutExpired:  # the error says what to change: a larger model needs a longer budget
+        return {"variant": name, "error": f"timed out: --budget_s {budget_s:g} ran out: raise --budget_s to finish it"}
     lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     error = proc.stderr.strip()[-300:] or f"exited {proc.returncode} without a result"
     return json.loads(lines[0]) if lines else {"variant": name, "error": error}
@@ -226,8 +226,9 @@ def main() -> None:
     start, results = time.perf_counter(), []
     for name in names:
         left = args.budget_s - (time.perf_counter() - start)
-        result = (run_variant(name, passthrough, left) if left >= 30
-                  else {"variant": name, "error": "skipped: time budget spent"})
+        result = (run_variant(name, passthrough, left, args.budget_s) if left >= 30
+                  else {"variant": name, "error": f"skipped: under 30 s of --budget_s {args.budget_s:g} left: raise "
+                                                  f"--budget_s to run it"})
         results.append(result)
         done = f"{result['tokens_per_second']} tokens/s, MFU {mfu_text(result['mfu'])}" if "error" not in result else ""
         print(f"  {name}: " + (done or result["error"].splitlines()[-1]), flush=True)

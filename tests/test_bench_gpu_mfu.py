@@ -93,3 +93,12 @@ def test_flags_that_leave_nothing_to_time_are_refused_before_any_variant_and_mfu
         assert proc.stderr.strip().splitlines()[-1] == f"{flag} must be at least 1, got 0"
     bench = load_bench("gpu_mfu")
     assert (bench.mfu_text(None), bench.mfu_text(0.4312)) == ("-", "43.1%")
+
+
+def test_a_variant_the_budget_leaves_out_says_to_raise_it(tmp_path):
+    """Skipped or stopped, a variant said only "time budget spent", without naming --budget_s (not in the README)."""
+    out = tmp_path / "mfu.json"
+    proc = run([sys.executable, "bench/gpu_mfu.py", "--variants", "1B eager", "--budget_s", "20", "--out", out])
+    message = "skipped: under 30 s of --budget_s 20 left: raise --budget_s to run it"
+    assert json.loads(out.read_text())["results"] == [{"variant": "1B eager", "error": message}]
+    assert f"  1B eager: {message}" in proc.stdout
