@@ -132,7 +132,8 @@ def _reject_unsupported_env() -> None:
         "FSDP_FORWARD_PREFETCH": "forward prefetch",
     }.items():
         if _env_bool(var):
-            raise ConfigError(f"the accelerate config asks for {what} ({var}=true), which is not supported")
+            raise ConfigError(f"the accelerate config asks for {what} ({var.lower()}: true), which is not "
+                              f"supported: set it to false or remove it")
     if _env_bool("FSDP_USE_ORIG_PARAMS") is False:
         raise ConfigError("fsdp_use_orig_params false is not supported: the optimizer groups and gradient clipping "
                           "need the original parameters; set it to true")

@@ -253,8 +253,12 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"WORLD_SIZE": "3"}, ["--dp_replicate_size", "2"], "^dp_replicate_size 2 does not divide the 3 processes "
                                                         "launched: set it to a divisor"),
     ({}, ["--dp_replicate_size", "2"], "^dp_replicate_size 2 does not divide the 1 processes"),
-    ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "offloading checkpointed activations"),
-    ({"FSDP_FORWARD_PREFETCH": "true"}, [], "forward prefetch"),
+    # Each says what to change in the accelerate config (it named the variable accelerate sets, and no fix).
+    ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, [], "^the accelerate config asks for offloading checkpointed "
+     "activations \\(fsdp_activation_checkpointing_offload: true\\), which is not supported: set it to false or remove "
+     "it$"),
+    ({"FSDP_FORWARD_PREFETCH": "true"}, [], "^the accelerate config asks for forward prefetch "
+     "\\(fsdp_forward_prefetch: true\\), which is not supported: set it to false or remove it$"),
     ({"FSDP_USE_ORIG_PARAMS": "false"}, [], "fsdp_use_orig_params false is not supported"),
     ({"FSDP_IGNORED_MODULES": "model.embed_tokens"}, [], "^fsdp_ignored_modules is not supported: remove it"),
     ({"FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE"}, [],
