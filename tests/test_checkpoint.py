@@ -45,7 +45,7 @@ from fsdp_recipes import convert as convert_module, demo, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
-from fsdp_recipes.output_dir import prepare_output_dir, remove_earlier_run
+from fsdp_recipes.output_dir import lock_output_dir, prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoints, resolve_resume,
                                  tokenizer_differences, training_config_differences)
@@ -1443,6 +1443,18 @@ def test_the_lock_ends_with_rank_0_though_a_forked_worker_lives_on(tmp_path):
         os.kill(worker, 0)  # the worker was alive all along
     finally:
         os.kill(worker, signal.SIGKILL)
+
+
+def test_an_output_dir_on_a_file_system_without_locks_is_a_warning_not_an_error(tmp_path, monkeypatch, capsys):
+    """Lustre mounted without -o flock answers flock with an error: "the run prints a warning and goes on"."""
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert lock_output_dir(str(tmp_path)) is None
+    assert capsys.readouterr().out == (
+        f"warning: output_dir {tmp_path} cannot be locked (OSError: [Errno {errno.ENOLCK}] "
+        f"{os.strerror(errno.ENOLCK)}): a second run started into it would not be noticed\n")
 
 
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
