@@ -179,7 +179,8 @@ def check_checkpoint_folder(path: str, resuming: bool = False, output_dir: Optio
             named = os.path.join(os.path.dirname(path), f.read().strip())
         raise CheckpointError(f"{path} is the file that names a run's newest checkpoint, not a checkpoint: pass "
                               f"{named}{auto(os.path.dirname(path) or '.')}")
-    if path == LATEST_NAME and resuming and not os.path.exists(path):  # the word other trainers take for it
+    # `latest`: the word other trainers take for it; `Auto`, `AUTO`: the keyword in another case, read as a path.
+    if path.lower() in (LATEST_NAME, "auto") and resuming and not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist: pass --resume_from_checkpoint auto to resume from the "
                               f"checkpoint that output_dir's `latest` file names, or a checkpoint-<step> folder")
     if not os.path.exists(path):  # a mistyped step, or one retention has removed: say which are there

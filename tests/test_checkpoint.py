@@ -1284,6 +1284,9 @@ def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_
     assert str(error.value) == (
         "latest does not exist: pass --resume_from_checkpoint auto to resume from the checkpoint that output_dir's "
         "`latest` file names, or a checkpoint-<step> folder")
+    for word in ("Auto", "AUTO", "Latest"):  # the keyword is lower case: another case is a path
+        with pytest.raises(CheckpointError, match=rf"^{word} does not exist: pass --resume_from_checkpoint auto "):
+            prepare_output_dir(config(run, "--resume_from_checkpoint", word))
     assert sorted(os.listdir(run)) == [".run.lock", "checkpoint-6", "latest"]
 
 
