@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -30,10 +31,31 @@ def check_offload_device(plan: ShardingPlan, device: torch.device) -> None:
                           "fsdp_version 2, whose CPUOffloadPolicy works there")
 
 
+def check_no_shard_tied_bf16_sync(model: nn.Module, plan: ShardingPlan) -> None:
+    """NO_SHARD (asked for, or what torch runs on 1 rank) with bf16 compute and gradient_sync last_micro_batch: torch's
+    no_sync hands a weight shared by two modules (tied embeddings) the bf16 gradient of the other, which torch refuses
+    at the first step ('attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype Float')."""
+    no_shard = plan.sharding_strategy == "NO_SHARD" or dist.get_world_size() == 1
+    if not (no_shard and plan.mixed_precision == "bf16" and plan.gradient_sync == "last_micro_batch"):
+        return
+    seen, tied = set(), []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.append(name)
+        seen.add(id(param))
+    if tied:
+        where = "NO_SHARD" if plan.sharding_strategy == "NO_SHARD" else "on 1 rank (which torch runs as NO_SHARD)"
+        raise ConfigError(f"FSDP1 {where} with mixed_precision bf16 and gradient_sync last_micro_batch fails at the "
+                          f"first step for a model with tied weights ({', '.join(tied)}): torch's no_sync gives them "
+                          f"bf16 gradients it cannot assign. Use gradient_sync every_micro_batch, or fsdp_version 2"
+                          f"{', or FULL_SHARD or SHARD_GRAD_OP' if dist.get_world_size() > 1 else ''}")
+
+
 def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: Optional[DeviceMesh],
           device: torch.device) -> FSDP:
     """Wrap each of `units` (decoder layers, or the size-based units) and the root."""
     check_offload_device(plan, device)
+    check_no_shard_tied_bf16_sync(model, plan)
     unit_ids = {id(unit) for unit in units}
     policy = CustomPolicy(lambda module: id(module) in unit_ids)
     is_meta = any(p.is_meta for p in model.parameters())

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fsdp_recipes import fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.model import load_model, load_sharded_model
 from fsdp_recipes.plan import resolve_plan
@@ -319,6 +320,36 @@ def test_rank0_loading_gives_the_model_from_pretrained_gives(tiny, fsdp_version,
     inputs = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(model(inputs).logits, load_model(cfg)(inputs).logits)
+
+
+def test_fsdp1_on_one_rank_refuses_bf16_last_micro_batch_sync_of_tied_weights(tiny, one_process_group, monkeypatch):
+    """FSDP1 on 1 rank runs NO_SHARD, whose no_sync gives a tied embedding a bf16 gradient that torch refuses at the
+    second micro-batch (a 2-rank FSDP1 run resumed on 1 rank met it): refused when the model is sharded, naming the
+    weight, and for that combination only."""
+    def shard(model: str, sync: str):
+        cfg = parse_config(["--model_name_or_path", str(tiny[model]), "--dataset_name", "x", "--fsdp_version", "1",
+                            "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2", "--gradient_sync", sync])
+        return load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+
+    def two_micro_batches(model):
+        ids = torch.arange(1, 17).unsqueeze(0)
+        with model.no_sync():
+            for _ in range(2):
+                model(input_ids=ids, labels=ids).loss.backward()
+
+    with pytest.raises(ConfigError, match=r"^FSDP1 on 1 rank \(which torch runs as NO_SHARD\) with mixed_precision "
+                                          r"bf16 and gradient_sync last_micro_batch fails at the first step for a "
+                                          r"model with tied weights \(lm_head\.weight\): torch's no_sync gives them "
+                                          r"bf16 gradients it cannot assign\. Use gradient_sync every_micro_batch, or "
+                                          r"fsdp_version 2$"):
+        shard("tied_model", "last_micro_batch")
+    shard("tied_model", "every_micro_batch")
+    two_micro_batches(shard("model", "last_micro_batch"))  # untied: trains
+    # What the refusal spares (once torch assigns the gradient, this fails and the refusal can go).
+    monkeypatch.setattr(fsdp1, "check_no_shard_tied_bf16_sync", lambda model, plan: None)
+    with pytest.raises(RuntimeError, match=r"attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor "
+                                           r"with grad_dtype 'Float'"):
+        two_micro_batches(shard("tied_model", "last_micro_batch"))
 
 
 @pytest.mark.parametrize("rank0_loading", ["false", "true"])
