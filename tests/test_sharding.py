@@ -347,8 +347,8 @@ def test_fsdp1_on_one_rank_refuses_bf16_last_micro_batch_sync_of_tied_weights(ti
     two_micro_batches(shard("model", "last_micro_batch"))  # untied: trains
     # What the refusal spares (once torch assigns the gradient, this fails and the refusal can go).
     monkeypatch.setattr(fsdp1, "check_no_shard_tied_bf16_sync", lambda model, plan: None)
-    with pytest.raises(RuntimeError, match=r"attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor "
-                                           r"with grad_dtype 'Float'"):
+    # Up to 'a tensor': torch 2.13 then names the tensor's grad_dtype, which older versions' check may not have.
+    with pytest.raises(RuntimeError, match=r"attempting to assign a gradient with dtype 'c10::BFloat16' to a tensor"):
         two_micro_batches(shard("tied_model", "last_micro_batch"))
 
 
