@@ -45,10 +45,12 @@ def check_no_shard_tied_bf16_sync(model: nn.Module, plan: ShardingPlan) -> None:
         seen.add(id(param))
     if tied:
         where = "NO_SHARD" if plan.sharding_strategy == "NO_SHARD" else "on 1 rank (which torch runs as NO_SHARD)"
+        # FSDP1 offload with accumulation needs last_micro_batch (plan.py), so only the other ways out remain.
+        fixes = ([] if plan.offload_params else ["gradient_sync every_micro_batch"]) + ["fsdp_version 2"] + (
+            ["FULL_SHARD or SHARD_GRAD_OP"] if dist.get_world_size() > 1 else [])
         raise ConfigError(f"FSDP1 {where} with mixed_precision bf16 and gradient_sync last_micro_batch fails at the "
                           f"first step for a model with tied weights ({', '.join(tied)}): torch's no_sync gives them "
-                          f"bf16 gradients it cannot assign. Use gradient_sync every_micro_batch, or fsdp_version 2"
-                          f"{', or FULL_SHARD or SHARD_GRAD_OP' if dist.get_world_size() > 1 else ''}")
+                          f"bf16 gradients it cannot assign. Use {', or '.join(fixes)}")
 
 
 def shard(model: nn.Module, units: list[nn.Module], plan: ShardingPlan, mesh: Optional[DeviceMesh],

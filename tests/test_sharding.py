@@ -344,6 +344,12 @@ def test_fsdp1_on_one_rank_refuses_bf16_last_micro_batch_sync_of_tied_weights(ti
                                           r"fsdp_version 2$"):
         shard("tied_model", "last_micro_batch")
     shard("tied_model", "every_micro_batch")
+    # With offload (GPU only) FSDP1 needs last_micro_batch to accumulate: the error gives the other way out alone.
+    cfg = parse_config(["--model_name_or_path", str(tiny["tied_model"]), "--dataset_name", "x", "--fsdp_version", "1",
+                        "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2", "--gradient_sync",
+                        "last_micro_batch", "--fsdp_offload_params", "true"])
+    with pytest.raises(ConfigError, match=r"it cannot assign\. Use fsdp_version 2$"):
+        fsdp1.check_no_shard_tied_bf16_sync(load_model(cfg), resolve_plan(cfg))
     two_micro_batches(shard("model", "last_micro_batch"))  # untied: trains
     # What the refusal spares (once torch assigns the gradient, this fails and the refusal can go).
     monkeypatch.setattr(fsdp1, "check_no_shard_tied_bf16_sync", lambda model, plan: None)
