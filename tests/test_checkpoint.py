@@ -53,6 +53,7 @@ from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
 from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
+from test_data import two_ranks
 from test_readme import readme_commands
 
 RECIPE = "recipes/llama_sft.py"
@@ -1558,6 +1559,22 @@ def test_a_run_whose_final_evaluation_failed_is_finished_by_a_resume(tiny, tmp_p
     elsewhere = run([sys.executable, RECIPE, *recipe_args(tiny, tmp_path / "more", *args, "--resume_from_checkpoint",
                                                           tmp_path / "whole" / "checkpoint-2")], expect_rc=2)
     assert f"and {tmp_path / 'whole' / 'final'} holds its export: nothing is left to train" in elsewhere.stderr
+
+
+def test_a_complete_run_resumed_on_two_ranks_says_so_once_and_every_rank_exits_0():
+    """A job requeued after its run finished: resolve_resume raises RunComplete on every rank; rank 0 alone prints
+    it, and every rank exits 0, so that the launcher reports success."""
+    script = ("import torch.distributed as dist\n"
+              "from fsdp_recipes.cli import run_main\n"
+              "from fsdp_recipes.distributed import RunComplete\n"
+              "def main():\n"
+              "    dist.init_process_group('gloo')\n"
+              "    raise RunComplete('resume: the run is complete')\n"
+              "run_main(main)\n")
+    procs = two_ranks("-c", script)
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert [stdout for stdout, _ in outputs] == ["resume: the run is complete\n", ""], outputs
 
 
 def test_a_run_stopped_while_generating_its_samples_is_finished_by_a_resume(tiny, tmp_path):
