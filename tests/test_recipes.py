@@ -391,6 +391,11 @@ def test_a_recipes_attention_implementations_are_a_tuple(tmp_path):
     llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
     cfg = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "d", "--attn_implementation", "eager"])
     check_model_type(cfg, {"llama": ("eager", "flash_attention_2")}, "recipes/olmo2_sft.py")
+    # The recipe's own narrowing is checked too, for a model that needs no particular attention.
+    sdpa = parse_config(["--model_name_or_path", str(llama), "--dataset_name", "d"])
+    with pytest.raises(ConfigError, match=r"^llama models need attn_implementation eager or flash_attention_2 \(see "
+                                          r"olmo2_sft.py\), got sdpa$"):
+        check_model_type(sdpa, {"llama": ("eager", "flash_attention_2")}, "recipes/olmo2_sft.py")
     with pytest.raises(TypeError) as error:
         check_model_type(cfg, {"llama": "eager"}, "recipes/olmo2_sft.py")
     assert str(error.value) == ("olmo2_sft.py: MODEL_TYPES['llama'] must be None or a tuple of attention "
