@@ -386,6 +386,22 @@ def test_the_generic_recipe_names_gemma2s_recipe_before_refusing_its_sdpa(tmp_pa
                                        "here\n")
 
 
+def test_the_generic_recipes_note_comes_from_rank_0_alone_and_not_from_a_familys_recipe(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The note that names the family's recipe is the generic recipe's, said once: every rank checks the model before
+    the process group, and a family's recipe naming itself would be noise."""
+    gemma3 = write_model(tmp_path / "gemma3", FAMILIES["gemma3"][2])
+    args = ["--model_name_or_path", str(gemma3), "--dataset_name", "d"]
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "1")
+    check_model_type(parse_config(args), None, "recipes/sft.py")
+    monkeypatch.setenv("RANK", "0")
+    check_model_type(parse_config(args), {"gemma2": ("eager",), "gemma3_text": None}, "recipes/gemma_sft.py")
+    assert capsys.readouterr().out == ""
+    check_model_type(parse_config(args), None, "recipes/sft.py")
+    assert capsys.readouterr().out.startswith("note: recipes/gemma_sft.py trains gemma3_text models")
+
+
 def test_a_recipes_attention_implementations_are_a_tuple(tmp_path):
     # As the README writes them: ("eager",). A bare "eager" would allow "e" and refuse sdpa as "e or a or g or ...".
     llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
