@@ -402,6 +402,18 @@ def test_the_generic_recipes_note_comes_from_rank_0_alone_and_not_from_a_familys
     assert capsys.readouterr().out.startswith("note: recipes/gemma_sft.py trains gemma3_text models")
 
 
+def test_a_multimodal_models_text_attention_soft_capping_needs_an_attention_that_applies_it(tmp_path):
+    """exact_attention reads the text config: a Gemma 3 image-text checkpoint's soft-capping is in its text_config,
+    which sdpa would skip."""
+    AutoConfig.for_model("gemma3", text_config={"attn_logit_softcapping": 50.0}).save_pretrained(tmp_path / "gemma3")
+    args = ["--model_name_or_path", str(tmp_path / "gemma3"), "--dataset_name", "d"]
+    with pytest.raises(ConfigError, match=r"^gemma3 models need attn_implementation eager or flash_attention_2 or "
+                                          r"flash_attention_3 or flash_attention_4 or flex_attention \(see "
+                                          r"fsdp_recipes/families.py: attention soft-capping\), got sdpa$"):
+        check_model_type(parse_config(args), None, "recipes/sft.py")
+    check_model_type(parse_config([*args, "--attn_implementation", "eager"]), None, "recipes/sft.py")
+
+
 def test_a_recipes_attention_implementations_are_a_tuple(tmp_path):
     # As the README writes them: ("eager",). A bare "eager" would allow "e" and refuse sdpa as "e or a or g or ...".
     llama = write_model(tmp_path / "llama", FAMILIES["llama"][2])
