@@ -563,6 +563,8 @@ def test_progress_bar_only_on_rank0_in_a_terminal(observed):
     # Save and eval lines are lines of their own: the bar is cleared (back to the line's start) before them.
     for step in (2, 4):
         assert f"\rsaved {observed['out']}/checkpoint-{step} (sharded)\r\n" in screen, screen
+        # Rank 0's alone: rank 1 writes to the same terminal, but draws no bars and prints no line.
+        assert screen.count(f"saved {observed['out']}/checkpoint-{step} (sharded)") == 1, screen
         assert re.search(rf"\reval at step {step}: loss \d+\.\d+ perplexity \d+\.\d+\r\n", screen), screen
 
 
