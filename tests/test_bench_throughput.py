@@ -42,6 +42,14 @@ def test_an_odd_micro_batch_count_or_a_variant_named_twice_is_refused():
         "variants named more than once: ['FSDP2 fp32 packed']; name each once")
 
 
+def test_a_reference_several_variants_lack_is_added_once():
+    """Added twice, the reference would run twice a round, and its runs would pair with the wrong ones of the others."""
+    bench = load_bench("train_throughput")
+    assert bench.missing_references(["FSDP2 fp32 packed", "FSDP1 fp32 packed", "FSDP2 bf16 packed"]) == [
+        "reference fp32 packed", "reference bf16 packed"]
+    assert bench.missing_references(["reference fp32 packed", "FSDP2 fp32 packed"]) == []
+
+
 def test_packed_steps_have_their_rows_at_any_sequence_length():
     """Examples keep their lengths as max_seq_length grows, so a packed row holds more of them: at 4096 about 30."""
     import argparse
