@@ -102,3 +102,10 @@ def test_a_variant_the_budget_leaves_out_says_to_raise_it(tmp_path):
     message = "skipped: under 30 s of --budget_s 20 left: raise --budget_s to run it"
     assert json.loads(out.read_text())["results"] == [{"variant": "1B eager", "error": message}]
     assert f"  1B eager: {message}" in proc.stdout
+
+
+def test_a_variant_stopped_by_the_budget_names_the_budget_given():
+    """The timeout is what was left of the budget when the variant started: the message names --budget_s itself."""
+    bench = load_bench("gpu_mfu")
+    assert bench.run_variant("1B eager", [], timeout=0.01, budget_s=900) == {
+        "variant": "1B eager", "error": "timed out: --budget_s 900 ran out: raise --budget_s to finish it"}
