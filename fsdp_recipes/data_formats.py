@@ -6,6 +6,7 @@ import json
 from typing import Optional
 
 import jinja2
+import numpy as np
 
 from .config import ConfigError
 
@@ -316,6 +317,24 @@ def turn_closing_token_id(tokenizer) -> Optional[int]:
                  if after_answer <= char_start < end and token in special), None)
 
 
+def overlaps_a_span(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """Whether each token, by its (char_start, char_end), overlaps one of the character spans that carry loss:
+    byte-level BPE joins a prompt's trailing space to the answer's first word (' yes'), which must still be learnt.
+    Zero-width tokens count where they start.
+
+    A token overlaps a span that starts before the token ends and ends after it starts: with the spans sorted by
+    start, the largest end among those that start before the token ends says it, found by bisection. Each token
+    against each span took most of a long chat's time (0.4 s for a 50-turn chat of 12,000 tokens)."""
+    tokens = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    if not spans:
+        return np.zeros(len(tokens), dtype=bool)
+    starts, ends = np.asarray(sorted(spans), dtype=np.int64).T
+    token_ends = np.maximum(tokens[:, 1], tokens[:, 0] + 1)
+    started = np.searchsorted(starts, token_ends, side="left")  # spans that start before each token ends
+    largest_end = np.maximum.accumulate(ends)[np.maximum(started - 1, 0)]
+    return (started > 0) & (largest_end > tokens[:, 0])
+
+
 def _reasoning(message: dict) -> str:
     """An assistant message's reasoning: its reasoning_content, else the <think> block of its content, which Qwen3's
     template takes out of the content as it takes reasoning_content (and drops before the last user message)."""
@@ -359,13 +378,7 @@ def tokenize_example(example: dict, fmt: str, tokenizer, max_seq_length: int, co
         spans = [(0, len(text))]
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = encoded["input_ids"]
-    # A token carries loss if it overlaps a span: byte-level BPE joins a prompt's trailing space to the answer's
-    # first word (' yes'), which must still be learnt. Zero-width tokens count where they start.
-    labels = [
-        token if any(char_start < end and max(char_end, char_start + 1) > start for start, end in spans)
-        else IGNORE_INDEX
-        for token, (char_start, char_end) in zip(input_ids, encoded["offset_mapping"])
-    ]
+    labels = np.where(overlaps_a_span(encoded["offset_mapping"], spans), input_ids, IGNORE_INDEX).tolist()
     # Reasoning the template does not write (Llama's, Qwen2.5's; Qwen3's before the last user message) is trained
     # without: counted, so that the run says so.
     reasoning = [_reasoning(m) for m in example.get("messages") or []

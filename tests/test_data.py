@@ -37,7 +37,8 @@ from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import (IGNORE_INDEX, build_dataloader, build_datasets, check_model_reads_data,
                                check_packing_separates_examples, collate, model_inputs, optimizer_step_batches,
                                pack_examples)
-from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, render_with_loss_spans, tokenize_example,
+from fsdp_recipes.data_formats import (DEFAULT_CHAT_TEMPLATE, detect_format, overlaps_a_span, render_with_loss_spans,
+                                       tokenize_example,
                                       turn_closing_token_id)
 from fsdp_recipes.data_sources import carve_eval, load_split
 from fsdp_recipes.model import load_tokenizer
@@ -926,6 +927,20 @@ def test_truncation_keeps_the_first_tokens():
     out = tokenize_example({"text": "abc"}, "text", TOKENIZER, max_seq_length=1)
     assert out["labels"] == out["input_ids"] and not out["has_labels"]
     assert tokenize_example({"text": "abc"}, "text", TOKENIZER, max_seq_length=2)["has_labels"]
+
+
+def test_a_token_carries_loss_where_it_overlaps_a_span_found_by_bisection_not_per_span():
+    # Tokens (char_start, char_end): one ending where the span starts, one straddling its start (' yes' after the
+    # prompt's space), one inside, a zero-width one at the span's end (outside) and inside another; spans unsorted.
+    offsets = [(0, 3), (2, 5), (5, 6), (8, 8), (12, 12), (20, 22)]
+    assert overlaps_a_span(offsets, [(12, 14), (3, 8)]).tolist() == [False, True, True, False, True, False]
+    assert overlaps_a_span(offsets, []).tolist() == [False] * 6
+    # A span nested in a longer earlier one still counts that one's end.
+    assert overlaps_a_span([(9, 10)], [(0, 12), (2, 4)]).tolist() == [True]
+    # A 50-turn chat: each turn's answer and closing EOS, as a short chat marks them.
+    turns = [{"role": role, "content": f"turn {i}"} for i in range(50) for role in ("user", "assistant")]
+    out = tokenize_example({"messages": turns}, "chat", TOKENIZER, max_seq_length=4096)
+    assert "".join(loss_tokens(out)) == "".join(f"turn {i}<|end|>" for i in range(50))
 
 
 def test_formats_are_detected_from_columns_or_forced():
