@@ -2,6 +2,7 @@
 
 import bz2
 import codecs
+import contextlib
 import dataclasses
 import gzip
 import inspect
@@ -1856,6 +1857,27 @@ def test_a_bad_row_of_a_data_file_names_the_file_and_its_line(tmp_path):
     demo.write_jsonl(tmp_path / "splits" / "train" / "rows.jsonl", ROWS)
     with pytest.raises(ConfigError, match=rf"^{tmp_path}/splits \[test\[2:\]\]: row 3 \(test/b.jsonl, line 3\): "):
         build_datasets(cfg(tmp_path / "splits", eval_split="test[2:]"), TOKENIZER)
+
+
+def test_reading_local_files_sends_no_download_count_to_the_hub(tmp_path, monkeypatch):
+    """datasets' load_dataset sends a HEAD request to count a download of its json or parquet builder, for a local
+    file too: once per file of a folder, on every rank and every run (3 s each where the network drops it). A
+    listener stands in for the Hub's S3 bucket and counts the connections made to it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    monkeypatch.setattr(datasets.config, "S3_DATASETS_BUCKET_PREFIX", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    (tmp_path / "parts").mkdir()
+    demo.write_jsonl(tmp_path / "parts" / "a.jsonl", ROWS[:3])
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(ROWS[3:5]), tmp_path / "parts" / "b.parquet")
+    assert len(load_split(str(tmp_path / "parts"), None, "train")) == 5
+    connections = []
+    with server, contextlib.suppress(TimeoutError):  # accept() times out once no connection is waiting
+        while True:
+            connections.append(server.accept()[0])
+    assert connections == []
+    assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS  # as the run set it, for Hub data sets
 
 
 def test_a_data_set_name_may_start_with_the_home_folder(tmp_path, monkeypatch):
