@@ -6,6 +6,7 @@ import contextlib
 import csv
 import fractions
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -380,11 +381,31 @@ def _json_chunksize(name: str) -> int:
     piece, the types come from every row, and a row of another type is refused with its row number."""
     if not name.lower().endswith(_COMPRESSIONS):
         return min(max(os.path.getsize(name), 1), _JSON_PIECE_MAX)
+    return min(max(_decompressed_size(name), 1), _JSON_PIECE_MAX)
+
+
+def _decompressed_size(name: str) -> int:
+    """A compressed file's size decompressed, up to just past _JSON_PIECE_MAX: the chunksize keys datasets' cache
+    entry, so it is needed before the cache can be read. Remembered in the datasets cache per file (its path, size
+    and modification time, as datasets keys its conversion): finding it decompresses up to 1 GiB (about 10 s), which
+    every rank did on every run for every file, so a folder of a thousand .jsonl.zst shards took hours before the
+    first step, cache hit or not."""
+    stat = os.stat(name)
+    key = hashlib.sha256(f"{os.path.abspath(name)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    memo = os.path.join(datasets.config.HF_DATASETS_CACHE, "fsdp_recipes_decompressed_sizes", key)
+    with contextlib.suppress(OSError, ValueError):
+        with open(memo) as f:
+            return int(f.read())
     with fsspec.open(name, "rb", compression="infer") as f:
         size = 0
         while size <= _JSON_PIECE_MAX and (block := f.read(1 << 24)):  # no need to read further than the cap
             size += len(block)
-    return min(max(size, 1), _JSON_PIECE_MAX)
+    with contextlib.suppress(OSError):  # a cache that cannot be written: found again next time
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        with open(f"{memo}.{os.getpid()}.tmp", "w") as f:  # renamed whole: the ranks of a node write it at once
+            f.write(str(size))
+        os.replace(f"{memo}.{os.getpid()}.tmp", memo)
+    return size
 
 
 def _csv_as_text(name: str) -> dict:

@@ -1347,6 +1347,22 @@ def test_a_json_lines_file_over_2_gib_is_read_in_pieces_that_pyarrow_takes(tmp_p
     assert data_sources._json_chunksize(str(tmp_path / "small.jsonl.gz")) == 14_000
 
 
+def test_a_compressed_files_decompressed_size_is_found_once_not_on_every_run(tmp_path, monkeypatch):
+    # It keys datasets' cache entry, and finding it decompresses up to 1 GiB: remembered per path, size and mtime.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "a.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b'{"text": "a"}\n' * 1000)
+    assert data_sources._json_chunksize(str(path)) == 14_000
+    stat = path.stat()
+    path.write_bytes(b"\0" * stat.st_size)  # no gzip: decompressed, it would fail
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert data_sources._json_chunksize(str(path)) == 14_000
+    with gzip.open(path, "wb") as f:  # written again: another size and modification time
+        f.write(b'{"text": "b"}\n' * 10)
+    assert data_sources._json_chunksize(str(path)) == 140
+
+
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
     write_multi_config_copy(tmp_path / "copy")
     train, _ = build_datasets(cfg(tmp_path / "copy", dataset_config_name="socratic"), TOKENIZER)
