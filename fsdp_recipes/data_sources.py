@@ -386,33 +386,47 @@ def _json_chunksize(name: str) -> int:
 
 def _decompressed_size(name: str) -> int:
     """A compressed file's size decompressed, up to just past _JSON_PIECE_MAX: the chunksize keys datasets' cache
-    entry, so it is needed before the cache can be read. Remembered in the datasets cache per file (its path, size
-    and modification time, as datasets keys its conversion): finding it decompresses up to 1 GiB (4 s of gzip on 2
+    entry, so it is needed before the cache can be read. Finding it decompresses up to 1 GiB (4 s of gzip on 2
     cores), which every rank did on every run for every file, so a folder of a thousand .jsonl.zst shards took an
-    hour before the first step, cache hit or not."""
+    hour before the first step, cache hit or not: it is remembered."""
+    def count() -> str:
+        with fsspec.open(name, "rb", compression="infer") as f:
+            size = 0
+            while size <= _JSON_PIECE_MAX and (block := f.read(1 << 24)):  # no need to read further than the cap
+                size += len(block)
+        return str(size)
+
+    return int(_remembered(name, "decompressed_size", count))
+
+
+def _remembered(name: str, fact: str, find: Callable[[], str]) -> str:
+    """`find()`, a fact about the data file `name` that takes reading the whole file, found once and kept in the
+    datasets cache per file: its path, size and modification time, as datasets keys its own conversion of it."""
     stat = os.stat(name)
     key = hashlib.sha256(f"{os.path.abspath(name)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    memo = os.path.join(datasets.config.HF_DATASETS_CACHE, "fsdp_recipes_decompressed_sizes", key)
-    with contextlib.suppress(OSError, ValueError):
+    memo = os.path.join(datasets.config.HF_DATASETS_CACHE, "fsdp_recipes_file_facts", fact, key)
+    with contextlib.suppress(OSError):
         with open(memo) as f:
-            return int(f.read())
-    with fsspec.open(name, "rb", compression="infer") as f:
-        size = 0
-        while size <= _JSON_PIECE_MAX and (block := f.read(1 << 24)):  # no need to read further than the cap
-            size += len(block)
+            return f.read()
+    value = find()
     with contextlib.suppress(OSError):  # a cache that cannot be written: found again next time
         os.makedirs(os.path.dirname(memo), exist_ok=True)
         with open(f"{memo}.{os.getpid()}.tmp", "w") as f:  # renamed whole: the ranks of a node write it at once
-            f.write(str(size))
+            f.write(value)
         os.replace(f"{memo}.{os.getpid()}.tmp", memo)
-    return size
+    return value
 
 
 def _csv_as_text(name: str) -> dict:
     """load_dataset options that read every cell as text: pandas would read '007' as the number 7, and 'None' or
     'NA' as missing. The columns are named by pandas itself ('Unnamed: 0' for an index column, 'x.1' for a second
     'x'), as the rows are then read."""
-    _check_csv_fields(name)
+    def fields_match() -> str:
+        _check_csv_fields(name)  # raises for a row of another width, which is then not remembered
+        return "every row has the header's fields"
+
+    # The check reads the whole file in Python (6 s a GB), on every rank of every run: once per file instead.
+    _remembered(name, "csv_fields_match", fields_match)
     header = pandas.read_csv(name, nrows=0).columns
     return {"features": datasets.Features({column: datasets.Value("string") for column in header}), "na_filter": False}
 

@@ -1347,8 +1347,9 @@ def test_a_json_lines_file_over_2_gib_is_read_in_pieces_that_pyarrow_takes(tmp_p
     assert data_sources._json_chunksize(str(tmp_path / "small.jsonl.gz")) == 14_000
 
 
-def test_a_compressed_files_decompressed_size_is_found_once_not_on_every_run(tmp_path, monkeypatch):
+def test_a_compressed_files_size_and_a_csv_files_widths_are_found_once_not_on_every_run(tmp_path, monkeypatch):
     # It keys datasets' cache entry, and finding it decompresses up to 1 GiB: remembered per path, size and mtime.
+    # (The files' bytes are replaced under the same size and mtime: what is read again would fail.)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "a.jsonl.gz"
     with gzip.open(path, "wb") as f:
@@ -1361,6 +1362,17 @@ def test_a_compressed_files_decompressed_size_is_found_once_not_on_every_run(tmp
     with gzip.open(path, "wb") as f:  # written again: another size and modification time
         f.write(b'{"text": "b"}\n' * 10)
     assert data_sources._json_chunksize(str(path)) == 140
+    # So is a CSV file's check that each row has the header's fields, a Python read of the whole file.
+    csv_path = tmp_path / "a.csv"
+    csv_path.write_text("prompt,completion\na,b\n")
+    data_sources._csv_as_text(str(csv_path))
+    stat = csv_path.stat()
+    csv_path.write_text("prompt,completio\na,b,\n")  # a field more in the same size, which the check would refuse
+    os.utime(csv_path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    data_sources._csv_as_text(str(csv_path))
+    csv_path.write_text("prompt,completion\na,b,\n")
+    with pytest.raises(ConfigError, match="line 2: 3 fields, the header has 2"):
+        data_sources._csv_as_text(str(csv_path))
 
 
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
