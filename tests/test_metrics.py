@@ -2,6 +2,7 @@
 held-out split, progress and sample generations. One 2-process run of 4 steps, resumed to 6, feeds most tests."""
 
 import fcntl
+import http.server
 import io
 import itertools
 import json
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import types
 
 import pytest
@@ -381,17 +383,37 @@ def test_only_rank_0_checks_the_wandb_api_key(tmp_path):
 
 
 def test_a_wandb_run_that_cannot_start_stops_every_rank_with_its_error(tiny, tmp_path):
-    # Online, with a key but no server that answers: wandb.init fails on rank 0, the only rank that starts a run.
-    no_server = {"WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
-                 "WANDB_INIT_TIMEOUT": "5", "HOME": str(tmp_path), "NETRC": str(tmp_path / "netrc"),
-                 "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"), "WANDB_DIR": str(tmp_path)}
-    proc = torchrun(RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir",
-                    tmp_path / "out", "--max_steps", "1", "--max_seq_length", "64", "--report_to", "wandb",
-                    expect_rc=1, **no_server)
-    # wandb's words after "Timed out" change with its version ("while retrying", "initializing run").
-    assert "wandb.errors.errors.CommError: Timed out " in proc.stderr  # rank 0's traceback
+    # Online, with a key the server refuses: wandb.init fails on rank 0, the only rank that starts a run. (A server
+    # that never answers fails the same way after WANDB_INIT_TIMEOUT and wandb's retries: 25 s more of this suite.)
+    refusal = json.dumps({"errors": [{"message": "invalid API key"}]}).encode()
+
+    class RefusesTheKey(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(refusal)))
+            self.end_headers()
+            self.wfile.write(refusal)
+
+        do_GET = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RefusesTheKey)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    wandb_server = {"WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40,
+                    "WANDB_BASE_URL": f"http://127.0.0.1:{server.server_address[1]}", "HOME": str(tmp_path),
+                    "NETRC": str(tmp_path / "netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+                    "WANDB_DIR": str(tmp_path)}
+    try:
+        proc = torchrun(RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir",
+                        tmp_path / "out", "--max_steps", "1", "--max_seq_length", "64", "--report_to", "wandb",
+                        expect_rc=1, **wandb_server)
+    finally:
+        server.shutdown()
+    assert "wandb.errors.errors.CommError: invalid API key" in proc.stderr  # rank 0's traceback
     # Rank 1 names it, instead of crashing in its next collective ("Connection closed by peer").
-    assert "error: rank 0 failed to start the W&B run: CommError('Timed out " in proc.stderr
+    assert "error: rank 0 failed to start the W&B run: CommError('invalid API key')" in proc.stderr
     assert "Connection closed by peer" not in proc.stderr
 
 
