@@ -398,17 +398,20 @@ def check_field_types(cfg) -> None:
     as written, and a typo there (`save_dtype: bf16`) would otherwise fail hours later, or silently change a run."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if not _matches(value, hints[f.name]):
-            hint = (" (YAML reads ~ and an empty value as null)" if value is None else
-                    " (YAML reads an unquoted yes, no, on or off as true or false: quote it)"
-                    if isinstance(value, bool) else
-                    # A text field given a number (dataset_weights: 0.5, run_name: 2024), which argparse would take.
-                    " (YAML reads an unquoted number as a number: quote it)"
-                    if isinstance(value, (int, float)) and _matches("", hints[f.name]) else
-                    f" (write several as one comma-separated string: '{','.join(map(str, value))}')"
-                    if isinstance(value, list) and f.name in COMMA_SEPARATED else "")
-            raise ConfigError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}{hint}")
+        _check_type(f.name, getattr(cfg, f.name), hints[f.name])
+
+
+def _check_type(name: str, value, annotation) -> None:
+    if not _matches(value, annotation):
+        hint = (" (YAML reads ~ and an empty value as null)" if value is None else
+                " (YAML reads an unquoted yes, no, on or off as true or false: quote it)"
+                if isinstance(value, bool) else
+                # A text field given a number (dataset_weights: 0.5, run_name: 2024), which argparse would take.
+                " (YAML reads an unquoted number as a number: quote it)"
+                if isinstance(value, (int, float)) and _matches("", annotation) else
+                f" (write several as one comma-separated string: '{','.join(map(str, value))}')"
+                if isinstance(value, list) and name in COMMA_SEPARATED else "")
+        raise ConfigError(f"{name} must be {_describe(annotation)}, got {value!r}{hint}")
 
 
 def _matches(value, annotation) -> bool:
@@ -535,6 +538,26 @@ def _read_yaml(path: str, parser: HfArgumentParser, config_class: type[TrainConf
     return values
 
 
+def _recipe_parser(config_class: type[TrainConfig]) -> HfArgumentParser:
+    # No abbreviations: --max_step must not silently mean --max_steps.
+    parser = HfArgumentParser(config_class, allow_abbrev=False)
+    parser.error = _raise_config_error("the command line")
+    parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
+    for action in parser._actions:
+        if action.type is int:
+            action.type = integer
+    return parser
+
+
+def read_yaml_config(path: str, config_class: type[TrainConfig] = TrainConfig) -> dict:
+    """The keys a recipe YAML sets, converted and checked as parse_config reads them."""
+    values = _read_yaml(path, _recipe_parser(config_class), config_class)
+    hints = typing.get_type_hints(config_class)
+    for key, value in values.items():
+        _check_type(key, value, hints[key])
+    return values
+
+
 def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None,
                  config_class: type[TrainConfig] = TrainConfig) -> TrainConfig:
     """`--config recipe.yaml` gives the defaults, every other `--key value` overrides one field. `recipe`, the
@@ -556,13 +579,7 @@ def parse_config(argv: Optional[list[str]] = None, recipe: Optional[str] = None,
     if recipe and not known.config and "-h" not in rest and "--help" not in rest:
         _warn_without_a_config(recipe)
 
-    # No abbreviations: --max_step must not silently mean --max_steps.
-    parser = HfArgumentParser(config_class, allow_abbrev=False)
-    parser.error = _raise_config_error("the command line")
-    parser.add_argument("--config", help="YAML file with the recipe's defaults; command-line flags override it.")
-    for action in parser._actions:
-        if action.type is int:
-            action.type = integer
+    parser = _recipe_parser(config_class)
     field_names = [f.name for f in dataclasses.fields(config_class)]
     yaml_values = _read_yaml(known.config[0], parser, config_class) if known.config else {}
     parser.set_defaults(**yaml_values)

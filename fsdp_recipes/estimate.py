@@ -3,6 +3,11 @@
     python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
         [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
         [--attn_implementation sdpa|flash_attention_2|flex_attention|eager] [--trust_remote_code]
+    python -m fsdp_recipes.estimate --config recipes/configs/<recipe>.yaml --num_gpus 8 [any flag above]
+
+With --config, the run that recipe YAML describes is estimated: its model, micro-batch, sequence length, precision,
+attention, activation checkpointing and offload (the recipe's defaults where the YAML leaves a key out, as the
+run would take them); a flag given besides overrides the YAML.
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
 project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
@@ -14,8 +19,10 @@ of the transient buffers, the total, and the cheapest setting that fits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from unittest import mock
@@ -28,7 +35,7 @@ from transformers import masking_utils
 from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
-from .config import ConfigError, looked_in
+from .config import ConfigError, TrainConfig, looked_in, read_yaml_config
 from .data import check_sequence_length
 from .families import check_attention_implemented, check_causal_lm, check_loads_whole, exact_attention, hub_cache_miss
 from .flops import build_meta_model
@@ -95,29 +102,30 @@ class Estimate:
         return transient + (0 if self.offload else self.sharded_state)
 
 
-def load_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    """A hub id or a local folder through AutoConfig.from_pretrained, which also reads a config.json path."""
+def load_config(model: str, trust_remote_code: bool = False, flag: str = "--model") -> PretrainedConfig:
+    """A hub id or a local folder through AutoConfig.from_pretrained, which also reads a config.json path. `flag`:
+    where the model was named, for the errors."""
     looks_local = model.endswith(".json") or model.startswith((".", "/", "~")) or os.path.exists(model)
     path = os.path.expanduser(model)
     if looks_local and not os.path.exists(path):
-        raise ConfigError(f"--model {model}: no such file or folder{looked_in(model)}; give a hub id, a model folder "
+        raise ConfigError(f"{flag} {model}: no such file or folder{looked_in(model)}; give a hub id, a model folder "
                           f"or a config.json")
     # transformers' words for it ("Should have a `model_type` key in its config.json") name a file that is not there.
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         final = os.path.join(model, "final")  # a run's output_dir, whose export is the model folder
         export = os.path.isfile(os.path.join(path, "final", "config.json"))
-        raise ConfigError(f"--model {model} is a folder without config.json: give a model folder (config.json beside "
+        raise ConfigError(f"{flag} {model} is a folder without config.json: give a model folder (config.json beside "
                           f"the weights) or a config.json" + (f", such as this run's export {final}" if export else ""))
     try:
         # Given explicitly, False included: left unset, transformers asks on the terminal whether to run the code.
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):  # transformers' error for a checkpoint with code of its own
-            raise ConfigError(f"--model {model} ships its own model code: pass --trust_remote_code to run it, as the "
+            raise ConfigError(f"{flag} {model} ships its own model code: pass --trust_remote_code to run it, as the "
                               f"recipe key trust_remote_code: true does") from error
         first_line = str(error).strip().splitlines()[0]
-        raise ConfigError(hub_cache_miss("--model", model, error)
-                          or f"--model {model}: cannot read its config ({first_line})") from error
+        raise ConfigError(hub_cache_miss(flag, model, error)
+                          or f"{flag} {model}: cannot read its config ({first_line})") from error
 
 
 def shard_rows(rows: int, shard_size: int) -> int:
@@ -439,28 +447,73 @@ def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActiva
     return "\n".join(lines)
 
 
+# The recipe keys --config reads, as the flags they set.
+RECIPE_KEYS = {"model_name_or_path": "model", "max_seq_length": "seq_len", "per_device_train_batch_size": "batch",
+               "mixed_precision": "mixed_precision", "attn_implementation": "attn_implementation",
+               "trust_remote_code": "trust_remote_code", "fsdp_offload_params": "offload",
+               "fsdp_activation_checkpointing": "activation_checkpointing"}
+# Settings a recipe YAML can hold that the estimate does not model, with what it estimates instead.
+NOT_MODELLED = {"fsdp_version": (lambda v: v == 1, "FSDP2"),
+                "fsdp_auto_wrap_policy": (lambda v: v == "SIZE_BASED_WRAP", "one unit per decoder layer"),
+                "gradient_sync": (lambda v: v == "last_micro_batch", "gradient_sync every_micro_batch")}
+
+
+def recipe_defaults(path: str) -> tuple[dict, list[str]]:
+    """The flags' values from a recipe YAML (the recipe's built-in default where it leaves a key out, as the run
+    takes it), and a note for each setting in it that the estimate does not model."""
+    values = read_yaml_config(path)
+    run = {f.name: values.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
+    defaults = {flag: run[key] for key, flag in RECIPE_KEYS.items() if run[key] is not None}
+    notes = [f"note: {path} sets {key}: {run[key]}, which the estimate does not model: the figures are for {instead}"
+             for key, (differs, instead) in NOT_MODELLED.items() if differs(run[key])]
+    return defaults, notes
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Named as the README runs it: argparse alone would name the file, which no command runs.
     parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--model", required=True, help="hub id, local model folder, or a config.json file")
+    parser.add_argument("--config", help="a recipe YAML: the run it describes is estimated; flags override it")
+    parser.add_argument("--model", help="hub id, local model folder, or a config.json file (required without "
+                                        "--config, else its model_name_or_path)")
     parser.add_argument("--num_gpus", type=int, required=True, help="GPUs in all, over all nodes")
     parser.add_argument("--num_nodes", type=int, default=1, help="nodes (HSDP replicates across them)")
-    parser.add_argument("--offload", action="store_true", help="tables with CPU offload (fsdp_offload_params)")
-    parser.add_argument("--activation_checkpointing", action="store_true", help="tables with each layer recomputed")
-    parser.add_argument("--seq_len", type=int, default=2048, help="tokens per sequence (the Llama recipe's default)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (recipe default)")
+    # --no-offload / --no-activation_checkpointing: the tables without them, over a --config that sets them.
+    parser.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
+                        help="tables with CPU offload (fsdp_offload_params)")
+    parser.add_argument("--activation_checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                        help="tables with each layer recomputed")
+    parser.add_argument("--seq_len", type=int, default=2048,
+                        help="tokens per sequence (default: the Llama recipe's, or the --config's max_seq_length)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per micro-batch (default: the "
+                                                             "Llama recipe's, or the --config's)")
     parser.add_argument("--gpu_memory", type=float, default=80, help="GiB per GPU, for what fits (default 80)")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="bf16", help="as the recipe key")
     parser.add_argument("--attn_implementation", choices=ATTENTION, default="sdpa",
                         help="as the recipe key; eager keeps the L x L scores")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="run the model code the checkpoint ships (as the recipe key)")
+    config_path = parser.parse_known_args(argv)[0].config
+    notes = []
+    if config_path:
+        defaults, notes = recipe_defaults(config_path)
+        parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    args.notes = notes
+    given = {arg[2:].partition("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
+    # Where a value came from, for its errors: the flag, or the YAML's key.
+    args.label = {flag: f"--{flag}" if flag in given or not config_path else f"{key} (from {config_path})"
+                  for key, flag in RECIPE_KEYS.items()}
+    if args.model is None:
+        raise ConfigError("--model is required: give a hub id, a model folder or a config.json, or --config with a "
+                          "recipe YAML that sets model_name_or_path")
+    if args.attn_implementation not in ATTENTION:  # a --config's Hub kernel or other implementation
+        raise ConfigError(f"{args.label['attn_implementation']} is {args.attn_implementation}, which the estimate does "
+                          f"not measure: pass --attn_implementation with one of {', '.join(ATTENTION)}")
     for name in ["num_gpus", "num_nodes", "seq_len", "batch"]:
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(args, name)}")
+            raise ConfigError(f"{args.label.get(name, '--' + name)} must be at least 1, got {getattr(args, name)}")
     if not 0 < args.gpu_memory < math.inf:  # nan too
         raise ConfigError(f"--gpu_memory must be a positive number (GiB per GPU), got {args.gpu_memory:g}")
     if args.num_gpus % args.num_nodes:
@@ -472,9 +525,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    config = load_config(args.model, args.trust_remote_code)
-    check_causal_lm(config, f"--model {args.model}")
-    check_loads_whole(config, f"--model {args.model}")
+    config = load_config(args.model, args.trust_remote_code, args.label["model"])
+    check_causal_lm(config, f"{args.label['model']} {args.model}")
+    check_loads_whole(config, f"{args.label['model']} {args.model}")
     allowed = exact_attention(config)
     if allowed and args.attn_implementation not in allowed:
         raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
@@ -482,11 +535,11 @@ def main(argv: list[str] | None = None) -> None:
                           f"{args.attn_implementation}")
     check_attention_implemented(args.attn_implementation, config)
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
-    check_sequence_length(model, args.seq_len, "--seq_len")
+    check_sequence_length(model, args.seq_len, args.label["seq_len"])
     check_no_weight_kept_in_fp32(model, args.mixed_precision)
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
                                 args.trust_remote_code)
-    print(format_report(model, args, saved))
+    print("\n".join([*args.notes, format_report(model, args, saved)]))
 
 
 if __name__ == "__main__":

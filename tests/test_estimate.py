@@ -692,3 +692,83 @@ def test_readme_example_prints_the_output_the_readme_shows(configs):
     proc = run([sys.executable, *args[1:]])
     assert proc.stdout == shown
     assert "recommended: " in proc.stdout
+
+
+def test_a_recipe_config_is_estimated_as_the_run_it_describes(tmp_path, capsys):
+    """--config reads the YAML as the recipe does, its built-in defaults where the YAML leaves a key out; a flag
+    overrides it; a setting the estimate does not model is named."""
+    model = write_config(tmp_path / "llama.json", LlamaConfig(**SMALL).to_dict())
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"model_name_or_path: {model}\ndataset_name: null\nper_device_train_batch_size: 2\n"
+                    f"mixed_precision: 'no'\nattn_implementation: eager\nfsdp_activation_checkpointing: true\n")
+    flags = ["--model", str(model), "--batch", "2", "--seq_len", "1024", "--mixed_precision", "no",
+             "--attn_implementation", "eager", "--activation_checkpointing"]  # max_seq_length: the recipe's 1024
+    outputs = []
+    for argv in (["--config", str(yaml)], flags):
+        main([*argv, "--num_gpus", "2"])
+        outputs.append(capsys.readouterr().out)
+    from_config, from_flags = outputs
+    assert from_config == from_flags
+    assert "micro-batch per GPU: 2 x 1024 tokens, activation checkpointing on, offload off, eager" in from_config
+
+    # The recipe's built-in defaults for what a YAML leaves out.
+    (tmp_path / "model_only.yaml").write_text(f"model_name_or_path: {model}\n")
+    args = parse_args(["--config", str(tmp_path / "model_only.yaml"), "--num_gpus", "2"])
+    assert (args.batch, args.seq_len, args.mixed_precision, args.activation_checkpointing) == (1, 1024, "bf16", False)
+
+    main(["--config", str(yaml), "--num_gpus", "2", "--seq_len", "64", "--no-activation_checkpointing"])
+    assert "micro-batch per GPU: 2 x 64 tokens, activation checkpointing off, offload off, eager" in \
+        capsys.readouterr().out
+
+    with yaml.open("a") as f:
+        f.write("fsdp_version: 1\ngradient_sync: last_micro_batch\ngradient_accumulation_steps: 2\n")
+    main(["--config", str(yaml), "--num_gpus", "2"])
+    assert capsys.readouterr().out.startswith(
+        f"note: {yaml} sets fsdp_version: 1, which the estimate does not model: the figures are for FSDP2\n"
+        f"note: {yaml} sets gradient_sync: last_micro_batch, which the estimate does not model: the figures are for "
+        f"gradient_sync every_micro_batch\nmodel: LlamaForCausalLM, ")
+
+
+def test_a_recipe_configs_values_are_named_in_their_errors(tmp_path):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"model_name_or_path: {tmp_path / 'absent'}\n")
+    with pytest.raises(ConfigError) as error:
+        main(["--config", str(yaml), "--num_gpus", "2"])
+    assert str(error.value).startswith(f"model_name_or_path (from {yaml}) {tmp_path}/absent: no such file or folder")
+    gpt2 = write_config(tmp_path / "gpt2.json", GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2,
+                                                           n_positions=32, bos_token_id=0, eos_token_id=0).to_dict())
+    yaml.write_text(f"model_name_or_path: {gpt2}\nattn_implementation: kernels-community/flash-attn3\n")
+    with pytest.raises(ConfigError) as error:
+        main(["--config", str(yaml), "--num_gpus", "2"])
+    assert str(error.value) == (f"attn_implementation (from {yaml}) is kernels-community/flash-attn3, which the "
+                                f"estimate does not measure: pass --attn_implementation with one of sdpa, "
+                                f"flash_attention_2, flex_attention, eager")
+    with pytest.raises(ConfigError) as error:
+        main(["--config", str(yaml), "--num_gpus", "2", "--attn_implementation", "sdpa"])
+    assert str(error.value) == (f"max_seq_length (from {yaml}) 1024 is longer than the model's position table (32 "
+                                f"positions): set max_seq_length (from {yaml}) 32 or less")
+    with pytest.raises(ConfigError, match="^--model is required: give a hub id, a model folder or a config.json, or "
+                                          "--config with a recipe YAML that sets model_name_or_path$"):
+        parse_args(["--num_gpus", "2"])
+    # The recipe's own checks of its YAML.
+    yaml.write_text("max_seq_lenght: 64\n")
+    with pytest.raises(ConfigError, match="max_seq_lenght"):
+        parse_args(["--config", str(yaml), "--model", "x", "--num_gpus", "2"])
+    yaml.write_text("mixed_precision: no\n")
+    with pytest.raises(ConfigError, match=r"^mixed_precision must be one of bf16, no, pure_bf16 or null, got False "
+                                          r"\(YAML reads an unquoted yes, no, on or off as true or false: quote it\)$"):
+        parse_args(["--config", str(yaml), "--model", "x", "--num_gpus", "2"])
+    yaml.write_text("per_device_train_batch_size: 0\n")
+    with pytest.raises(ConfigError, match=rf"^per_device_train_batch_size \(from {yaml}\) must be at least 1, got 0$"):
+        parse_args(["--config", str(yaml), "--model", "x", "--num_gpus", "2"])
+
+
+def test_every_recipe_config_gives_the_estimate_its_micro_batch():
+    import yaml
+
+    for path in sorted((REPO / "recipes" / "configs").glob("*.yaml")):
+        values = yaml.safe_load(path.read_text())
+        model = values.get("model_name_or_path") or "m"  # sft.yaml's is given on the command line
+        args = parse_args(["--config", str(path), "--num_gpus", "8", *(["--model", "m"] if model == "m" else [])])
+        assert (args.model, args.batch, args.seq_len) == (
+            model, values["per_device_train_batch_size"], values["max_seq_length"]), path
