@@ -503,6 +503,12 @@ def _raise_config_error(source: str):
     return error
 
 
+# Keys of an accelerate config (`accelerate config`'s file) that no recipe config has.
+ACCELERATE_CONFIG_KEYS = ("compute_environment", "distributed_type", "fsdp_config", "num_processes", "num_machines",
+                          "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
+                          "parallelism_config", "use_cpu")
+
+
 def _read_yaml(path: str, parser: HfArgumentParser, config_class: type[TrainConfig]) -> dict:
     field_names = [f.name for f in dataclasses.fields(config_class)]
     try:
@@ -517,7 +523,7 @@ def _read_yaml(path: str, parser: HfArgumentParser, config_class: type[TrainConf
     if not isinstance(values, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(values).__name__}")
     # The two YAML files of a launch are easily swapped: an accelerate config's first key would be "unknown".
-    launcher_keys = [key for key in ("compute_environment", "distributed_type") if key in values]
+    launcher_keys = [key for key in ACCELERATE_CONFIG_KEYS if key in values]
     if launcher_keys:
         raise ConfigError(f"--config {path} is an accelerate config (it sets {launcher_keys[0]}): pass it to accelerate "
                           f"launch --config_file, and a recipe config (recipes/configs/<recipe>.yaml) as --config")

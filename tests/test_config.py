@@ -151,13 +151,17 @@ def test_a_training_arguments_name_that_differs_here_is_named_with_this_configs_
         parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--gradient-checkpointing", "true"])
 
 
-def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch):
+def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch, tmp_path):
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError) as error:
         parse_config(["--config", "accelerate_configs/fsdp2_cpu.yaml"])
     assert str(error.value) == ("--config accelerate_configs/fsdp2_cpu.yaml is an accelerate config (it sets "
                                 "compute_environment): pass it to accelerate launch --config_file, and a recipe "
                                 "config (recipes/configs/<recipe>.yaml) as --config")
+    # One written by hand, without the keys `accelerate config` writes first.
+    (tmp_path / "launch.yaml").write_text("fsdp_config:\n  fsdp_version: 2\nnum_processes: 8\n")
+    with pytest.raises(ConfigError, match=r"^--config .*launch.yaml is an accelerate config \(it sets fsdp_config\)"):
+        parse_config(["--config", str(tmp_path / "launch.yaml")])
 
 
 def test_unknown_cli_flag_is_named():
