@@ -4,7 +4,10 @@ import json
 import re
 import sys
 
+import pytest
+
 from conftest import read_metrics, run, run_on_terminal
+from fsdp_recipes import demo
 
 
 def make_demo(tmp_path):
@@ -52,9 +55,9 @@ def test_demo_learns_the_task_with_the_plan_metrics_and_files_it_promises(tmp_pa
     assert not (tmp_path / "output" / "final.tmp").exists()
 
 
-def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
-    """A percentage for the fraction would fail every model after the whole evaluation; wrong paths were tracebacks."""
-    demo = [sys.executable, "-m", "fsdp_recipes.demo", "evaluate"]
+def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A percentage for the fraction would fail every model after the whole evaluation; wrong paths were tracebacks.
+    (In this process: the errors are argparse's, printed before anything is loaded.)"""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "eval.jsonl").write_text("")
@@ -67,8 +70,11 @@ def test_evaluate_refuses_bad_flags_before_loading_the_model(tmp_path):
     }
     for (flag, value), message in cases.items():
         flags = {"--model": tmp_path / "model", "--data": tmp_path / "eval.jsonl", flag: value}
-        proc = run([*demo, *(str(x) for pair in flags.items() for x in pair)], expect_rc=2)
-        assert proc.stderr.splitlines()[-1] == f"python -m fsdp_recipes.demo evaluate: error: {message}"
+        monkeypatch.setattr(sys, "argv", [demo.__file__, "evaluate", *(str(x) for pair in flags.items() for x in pair)])
+        with pytest.raises(SystemExit) as exit:
+            demo.main()
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"python -m fsdp_recipes.demo evaluate: error: {message}"
 
 
 def test_prepare_and_evaluate_draw_bars_on_a_terminal_and_none_into_a_log_file(tmp_path):

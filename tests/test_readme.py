@@ -1,5 +1,6 @@
 """Every command the README shows runs here (the GPU command with local stand-ins for the hub model and data)."""
 
+import importlib
 import re
 import shlex
 import sys
@@ -66,8 +67,12 @@ def test_help_lists_the_config_keys():
         assert key in proc.stdout
 
 
-@pytest.mark.parametrize("module", ["convert", "estimate", "new_recipe", "demo"])
-def test_usage_names_the_command_the_readme_runs(module):
+@pytest.mark.parametrize("name", ["convert", "estimate", "new_recipe", "demo"])
+def test_usage_names_the_command_the_readme_runs(name, monkeypatch, capsys):
     # argparse names the file (convert.py), which is not how the README runs the module, nor a file in the root.
-    proc = run([sys.executable, "-m", f"fsdp_recipes.{module}", "--help"])
-    assert proc.stdout.startswith(f"usage: python -m fsdp_recipes.{module} ")
+    module = importlib.import_module(f"fsdp_recipes.{name}")
+    monkeypatch.setattr(sys, "argv", [module.__file__, "--help"])  # as `python -m` sets it
+    with pytest.raises(SystemExit) as exit:
+        module.main()
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m fsdp_recipes.{name} ")
