@@ -21,6 +21,8 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .new_recipe import PROJECT_RECIPES
+
 
 @dataclass
 class TrainConfig:
@@ -620,15 +622,14 @@ def _warn_without_a_config(recipe: str) -> None:
     own = os.path.join(configs, os.path.splitext(os.path.basename(recipe))[0] + ".yaml")
     choice = (f"--config {own}" if os.path.isfile(own) else f"--config with one of {configs}/*.yaml"
               if os.path.isdir(configs) else
-              # A recipe copied into a folder of its own, its YAML beside it or anywhere: no folder to name.
-              "--config with your copy of its YAML config"
-              + (f" (the project's are in {PROJECT_CONFIGS})" if os.path.isdir(PROJECT_CONFIGS) else ""))
+              # A recipe copied into a folder of its own, its YAML beside it or anywhere: no folder of its own to name.
+              f"--config with your copy of its YAML config (the project's are in {PROJECT_CONFIGS})")
     print(f"warning: no --config: this run takes the built-in defaults of every key it does not set (see --help), "
           f"not a recipe YAML's; pass {choice} for the recipe's settings", flush=True)
 
 
-# The recipes' YAML configs in the clone the package is installed from (an editable install).
-PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "configs")
+# The project's recipe YAML configs: the clone's, or the copies an installed package holds.
+PROJECT_CONFIGS = os.path.join(PROJECT_RECIPES, "configs")
 
 
 # Keys that do nothing unless another key turns their feature on: what each does, whether it is on, the keys that

@@ -12,7 +12,7 @@ from huggingface_hub.file_download import repo_folder_name
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .config import ROUTER_LOSS_KEYS, ConfigError, TrainConfig, is_local_path, looked_in
-from .new_recipe import REPO, generic_recipe, recipe_advice, recipes_training
+from .new_recipe import INSTALLED, PROJECT_RECIPES, generic_recipe, recipe_advice, recipes_training
 
 
 # The attention implementations that apply attention soft-capping (Gemma 2, VaultGemma). eager and flex_attention
@@ -167,9 +167,12 @@ def _recipe_advice(model_type: str, recipe: str) -> str:
     """Where to go for a model type that `recipe` does not train: new_recipe's advice for the recipe's folder (the
     recipe that trains it, there or in this project's recipes/), or else the ways to get a recipe of its own."""
     folder = os.path.dirname(recipe) or "."
-    # A recipe outside the clone's recipes/ (a copy of one's own) gets its sibling written beside it.
-    create = (f"make new-recipe MODEL={model_type}" if os.path.abspath(folder) == os.path.join(REPO, "recipes") else
-              f"python -m fsdp_recipes.new_recipe {model_type} --recipes_dir {folder}")
+    if os.path.abspath(folder) != PROJECT_RECIPES:  # a copy of one's own: its sibling is written beside it
+        create = f"python -m fsdp_recipes.new_recipe {model_type} --recipes_dir {folder}"
+    elif INSTALLED:  # an installed package's own recipes: no folder of the user's to write into
+        create = f"python -m fsdp_recipes.new_recipe {model_type} --recipes_dir <your recipes folder>"
+    else:
+        create = f"make new-recipe MODEL={model_type}"
     return recipe_advice(model_type, folder) or (
         f"no recipe trains {model_type} models: run the generic {generic_recipe()}, or create one with `{create}`")
 

@@ -7,8 +7,8 @@ MODEL is the model_type of the family's config.json; a hyphen in it (modernbert-
 the file names. The new recipe takes every shared line from llama_sft.py, so it passes tests/test_recipes.py's check
 that the shared part of all recipes is identical. After a change to the shared part of llama_sft.py, --sync copies it
 into every other recipe (each keeps its docstring and own block; edits to its shared part are replaced, and printed
-as a diff); a .py file without a recipe's markers (a helper module) is skipped. Both need the repository's
-recipes/llama_sft.py: run them from a clone.
+as a diff); a .py file without a recipe's markers (a helper module) is skipped. Both read llama_sft.py from the
+clone's recipes/, or from the copy an installed package holds (fsdp_recipes/recipes/, see pyproject.toml).
 Standard library only: it runs before any environment is installed.
 """
 
@@ -21,7 +21,13 @@ import os
 import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REFERENCE = os.path.join(REPO, "recipes", "llama_sft.py")
+# The project's recipes and their YAML configs: a built package (pip install, a wheel) holds them in
+# fsdp_recipes/recipes/ (pyproject.toml's package-dir), since it has no clone beside it; a clone, and the editable
+# install `make` sets up, at its root.
+PACKAGED_RECIPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+INSTALLED = os.path.isdir(PACKAGED_RECIPES)
+PROJECT_RECIPES = PACKAGED_RECIPES if INSTALLED else os.path.join(REPO, "recipes")
+REFERENCE = os.path.join(PROJECT_RECIPES, "llama_sft.py")
 OWN_START = "# ---- What this recipe holds of its own"
 OWN_END = "# ---- Shared by every recipe"
 
@@ -62,10 +68,10 @@ report_to: none
 
 
 def shared_part() -> tuple[str, str]:
-    """The head and tail of llama_sft.py, the shared part; it lives in the repository, not in the installed package."""
-    if not os.path.isfile(REFERENCE):
-        raise SystemExit(f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {REFERENCE} (an "
-                         "installed package holds no recipes): run new_recipe from a clone of the repository")
+    """The head and tail of llama_sft.py, the shared part."""
+    if not os.path.isfile(REFERENCE):  # a clone without it, or a package built from one
+        raise SystemExit(f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {REFERENCE}: restore "
+                         "it in the clone, or reinstall the package from a clone that has it")
     with open(REFERENCE) as f:
         text = f.read()
     try:
@@ -132,10 +138,8 @@ def listed_model_types(recipes_dir: str) -> list[tuple[str, list]]:
 
 def generic_recipe() -> str:
     """The project's generic recipe: relative from the clone's root (where the README runs it), absolute from
-    elsewhere (a recipe copied into a folder of its own); with a package installed without its clone, its name."""
-    path = os.path.join(REPO, "recipes", "sft.py")
-    if not os.path.isfile(path):
-        return "recipes/sft.py (in a clone of the project)"
+    elsewhere (a recipe copied into a folder of its own, or the copy an installed package holds)."""
+    path = os.path.join(PROJECT_RECIPES, "sft.py")
     relative = os.path.relpath(path)
     return path if relative.startswith(os.pardir) else relative
 
@@ -144,10 +148,9 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
     """What to do with a model type that has a recipe or file already: the recipe that lists it in its MODEL_TYPES,
     in recipes_dir or else in this project's recipes/ (for recipes_dir elsewhere), or the recipe or YAML config of
     its file name in recipes_dir. None: none of these, so `make new-recipe` can write its recipe there."""
-    project_recipes = os.path.join(REPO, "recipes")
     folders = [recipes_dir]
-    if os.path.abspath(recipes_dir) != project_recipes:
-        folders.append(project_recipes)
+    if os.path.abspath(recipes_dir) != PROJECT_RECIPES:
+        folders.append(PROJECT_RECIPES)
     for folder in folders:
         trained_by = recipes_training(model_type, folder) if os.path.isdir(folder) else []
         if trained_by:  # a second recipe would lack the family's defaults (Qwen3-MoE's router loss)
@@ -265,11 +268,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(f"python -m {__spec__.name}", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_type", nargs="?", help="config.json's model_type, e.g. olmo2")
-    parser.add_argument("--recipes_dir", default=os.path.join(REPO, "recipes"))
+    # An installed package's recipes are not the user's to edit (a reinstall would undo it): no default there.
+    parser.add_argument("--recipes_dir", default=None if INSTALLED else PROJECT_RECIPES,
+                        help="the folder of the recipes" + ("" if INSTALLED else " (default: the clone's recipes/)"))
     parser.add_argument("--sync", action="store_true", help="copy llama_sft.py's shared part into every recipe")
     args = parser.parse_args()
     if args.sync == bool(args.model_type):
         parser.error("give a model_type, or --sync")
+    if args.recipes_dir is None:
+        parser.error("give --recipes_dir, the folder of your recipes (the installed package's own recipes, in "
+                     f"{PACKAGED_RECIPES}, are its copies of the project's)")
     if args.sync:
         diffs, skipped = sync_recipes(args.recipes_dir)
         for path in skipped:

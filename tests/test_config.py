@@ -8,7 +8,6 @@ from typing import Optional
 
 import pytest
 
-from fsdp_recipes import config
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config, shard_size_in_bytes
 from fsdp_recipes.plan import resolve_plan
 
@@ -46,12 +45,6 @@ def test_a_recipe_run_without_a_config_is_warned_of_the_yaml_it_left_out(capsys,
     parse_config(args, recipe=str(tmp_path / "my_sft.py"))
     assert capsys.readouterr().out.endswith(f"pass --config with your copy of its YAML config (the project's are in "
                                             f"{REPO}/recipes/configs) for the recipe's settings\n")
-    # The package installed without its clone (pip install .): no project folder to name either.
-    monkeypatch.setattr(config, "PROJECT_CONFIGS", str(tmp_path / "site-packages" / "recipes" / "configs"))
-    parse_config(args, recipe=str(tmp_path / "my_sft.py"))
-    assert capsys.readouterr().out.endswith("pass --config with your copy of its YAML config for the recipe's "
-                                            "settings\n")
-    monkeypatch.undo()
     cfg = parse_config([*args, "--config", "recipes/configs/qwen3_moe_sft.yaml"], recipe="recipes/qwen3_moe_sft.py")
     assert cfg.router_aux_loss_coef == 0.001 and capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "1")

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import huggingface_hub
@@ -33,9 +34,9 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.export import tied_parameter_names
+from fsdp_recipes import families
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
-from fsdp_recipes import new_recipe as new_recipe_module
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, new_recipe, split_recipe, sync_recipes
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import find_layer_classes
@@ -507,8 +508,11 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
                                           f'{tmp_path}/mine/gemma_sft.py .* or run the generic {REPO}/recipes/sft.py$'):
         check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "gemma"), "--dataset_name", "d"]),
                          {"gemma2": None, "gemma3_text": None}, str(tmp_path / "mine" / "gemma_sft.py"))
-    monkeypatch.setattr(new_recipe_module, "REPO", str(tmp_path / "site-packages"))  # pip install . : no clone
-    assert new_recipe_module.generic_recipe() == "recipes/sft.py (in a clone of the project)"
+    # An installed package's own recipe (pip install): its recipes/ is no folder to write the new recipe into.
+    monkeypatch.setattr(families, "INSTALLED", True)
+    with pytest.raises(ConfigError, match="or create one with `python -m fsdp_recipes.new_recipe olmo2 --recipes_dir "
+                                          "<your recipes folder>`$"):
+        check(tmp_path / "olmo2", "llama_sft.py", {"llama": None})
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
     AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
@@ -947,18 +951,44 @@ def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_t
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["recipes"]
 
 
-def test_new_recipe_outside_a_clone_says_to_run_it_from_one(tmp_path):
-    """An installed package holds no recipes/llama_sft.py to copy: one error line, nothing written."""
-    shutil.copytree(REPO / "fsdp_recipes", tmp_path / "site-packages" / "fsdp_recipes")
-    reference = tmp_path / "site-packages" / "recipes" / "llama_sft.py"
-    for args in (["olmo2"], ["--sync"]):
-        proc = subprocess.run([sys.executable, "-m", "fsdp_recipes.new_recipe", *args, "--recipes_dir", tmp_path],
-                              cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(tmp_path / "site-packages")),
-                              capture_output=True, text=True)
-        assert (proc.returncode, proc.stdout) == (1, "")
-        assert proc.stderr == (f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {reference} (an "
-                               "installed package holds no recipes): run new_recipe from a clone of the repository\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["site-packages"]
+def test_the_built_package_holds_the_recipes_and_new_recipe_runs_from_it(tmp_path):
+    """pip install (no clone beside the package): the wheel holds every recipe and YAML config, and new_recipe
+    writes and syncs a recipe from them, in any directory; it asks for --recipes_dir rather than write into the
+    installed package."""
+    source = tmp_path / "source"  # built from a copy: pip builds in the tree, writing build/ and *.egg-info there
+    for name in ("fsdp_recipes", "recipes"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "requirements.txt"):
+        shutil.copy(REPO / name, source)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", source,
+         "-w", tmp_path / "dist"])
+    [wheel] = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        held = set(archive.namelist())
+        archive.extractall(tmp_path / "site-packages")
+    recipes = {f"fsdp_recipes/{path.relative_to(REPO).as_posix()}"
+               for pattern in ("recipes/*.py", "recipes/configs/*.yaml") for path in REPO.glob(pattern)}
+    assert len(recipes) > 10 and recipes <= held
+    installed = tmp_path / "site-packages" / "fsdp_recipes" / "recipes"
+
+    def new_recipe_command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fsdp_recipes.new_recipe", *args], cwd=tmp_path, text=True,
+                              env=subprocess_env(PYTHONPATH=str(tmp_path / "site-packages")), capture_output=True)
+
+    proc = new_recipe_command("olmo2", "--recipes_dir", "mine")
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "wrote mine/olmo2_sft.py\nwrote mine/configs/olmo2_sft.yaml\n"
+    _, head, own, tail = split_recipe((tmp_path / "mine" / "olmo2_sft.py").read_text())
+    _, llama_head, _, llama_tail = split_recipe((REPO / "recipes" / "llama_sft.py").read_text())
+    assert (head, tail) == (llama_head, llama_tail) and 'MODEL_TYPES = {"olmo2": None}' in own
+    proc = new_recipe_command("--sync", "--recipes_dir", "mine")
+    assert (proc.returncode, proc.stdout) == (0, f"every recipe in mine already has the shared part of "
+                                                 f"{installed}/llama_sft.py\n")
+    proc = new_recipe_command("qwen2")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.endswith(f"error: give --recipes_dir, the folder of your recipes (the installed package's own "
+                                f"recipes, in {installed}, are its copies of the project's)\n")
+    assert sorted(p.name for p in installed.glob("*.py")) == sorted(p.name for p in (REPO / "recipes").glob("*.py"))
 
 
 def test_a_relative_path_that_is_not_there_names_the_directory_it_was_looked_for_in(tmp_path, monkeypatch):
