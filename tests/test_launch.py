@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -332,6 +333,12 @@ def test_sbatch_runs_a_recipe_with_its_own_yaml_config(tmp_path):
     assert proc.stderr == ("error: RECIPE recipes/gemma_sft.py has no YAML config of its name "
                            "(recipes/configs/gemma_sft.yaml): set RECIPE_CONFIG to the one of your model, from "
                            "recipes/configs\n")
+    # A recipe copied into a folder of its own, its YAML beside it: no configs/ folder to point to.
+    (tmp_path / "mine").mkdir()
+    shutil.copy(REPO / "recipes" / "llama_sft.py", tmp_path / "mine" / "train.py")
+    proc = sbatch(expect_rc=2, RECIPE=f"{tmp_path}/mine/train.py")
+    assert proc.stderr == (f"error: RECIPE {tmp_path}/mine/train.py has no YAML config of its name "
+                           f"({tmp_path}/mine/configs/train.yaml): set RECIPE_CONFIG to your recipe's YAML config\n")
     assert not (bin_dir / "srun.args").exists()
     # A misspelt RECIPE is named as such, not taken for a recipe without a YAML config.
     proc = sbatch(expect_rc=2, RECIPE="recipes/qwen3_moe.py")
