@@ -154,8 +154,7 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
     for folder in folders:
         trained_by = recipes_training(model_type, folder) if os.path.isdir(folder) else []
         if trained_by:  # a second recipe would lack the family's defaults (Qwen3-MoE's router loss)
-            return (f"{trained_by[0]} trains {model_type} models: run it (or a copy of it), with its YAML config "
-                    f"from {os.path.join(folder, 'configs')}")
+            return f"{trained_by[0]} trains {model_type} models: run it (or a copy of it), {_with_its_config(folder)}"
     # "-" for "_" or the reverse (qwen3-moe): a recipe for a model type that config.json never spells, and that the
     # family's recipe trains (a file name would not tell: gemma3-text's would be gemma3_text_sft.py).
     for folder in folders:
@@ -163,8 +162,7 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
             for spelled in listed:
                 if isinstance(spelled, str) and spelled.replace("-", "_") == model_type.replace("-", "_"):
                     return (f"config.json spells this model type {spelled}, not {model_type}: {path} trains "
-                            f"{spelled} models: run it (or a copy of it), with its YAML config from "
-                            f"{os.path.join(folder, 'configs')}")
+                            f"{spelled} models: run it (or a copy of it), {_with_its_config(folder)}")
     name = model_type.replace("-", "_")
     named = os.path.join(recipes_dir, f"{name}_sft.py")
     if os.path.exists(named):
@@ -177,6 +175,13 @@ def recipe_advice(model_type: str, recipes_dir: str) -> str | None:
         return (f"run the generic {generic_recipe()}, or add \"{model_type}\" to the MODEL_TYPES of the recipe whose "
                 f"YAML config is {config} (`make new-recipe MODEL={model_type}` cannot write that file: it exists)")
     return None
+
+
+def _with_its_config(folder: str) -> str:
+    """Where the YAML config of a recipe in `folder` is: its configs/, where the folder has one (a recipe copied into
+    a folder of its own may keep its YAML beside it)."""
+    configs = os.path.join(folder, "configs")
+    return f"with its YAML config from {configs}" if os.path.isdir(configs) else "with its YAML config"
 
 
 def check_not_a_configs_folder(recipes_dir: str) -> None:

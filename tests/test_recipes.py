@@ -934,6 +934,13 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
                                 f"configs/")
     assert sorted(p.name for p in recipes.rglob("*")) == ["configs", "gemma3_sft.yaml", "gemma_sft.py"]
     assert (recipes / "gemma_sft.py").read_text() == (REPO / "recipes" / "gemma_sft.py").read_text()
+    # A recipe copied into a folder of its own, its YAML beside it: no configs/ folder that is not there is named.
+    (tmp_path / "mine").mkdir()
+    shutil.copy(REPO / "recipes" / "llama_sft.py", tmp_path / "mine" / "train.py")
+    with pytest.raises(SystemExit) as error:
+        new_recipe("llama", str(tmp_path / "mine"))
+    assert str(error.value) == (f"error: {tmp_path}/mine/train.py trains llama models: run it (or a copy of it), "
+                                "with its YAML config")
 
 
 def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path):
