@@ -11,11 +11,14 @@
 set -euo pipefail
 : "${NNODES:?the number of nodes}" "${NODE_RANK:?this node: 0 to NNODES-1}" "${GPUS_PER_NODE:?processes per node}"
 : "${MASTER_ADDR:?the address of node 0, reachable from every node}" "${MASTER_PORT:?a free port on node 0}"
-ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-accelerate_configs/fsdp2_hsdp_multinode.yaml}
+# The default is the project's config, found beside this script whatever the working directory (a recipe of your own
+# runs from its folder); a path you set, as the recipe's arguments, is read from the working directory.
+project=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ACCELERATE_CONFIG=${ACCELERATE_CONFIG:-$project/accelerate_configs/fsdp2_hsdp_multinode.yaml}
 # Else accelerate's FileNotFoundError traceback on every node.
 if [ ! -f "$ACCELERATE_CONFIG" ]; then
-    echo "error: ACCELERATE_CONFIG $ACCELERATE_CONFIG: no such file in $PWD (run from the repository's root, or set" \
-        "ACCELERATE_CONFIG to the config's path)" >&2
+    echo "error: ACCELERATE_CONFIG $ACCELERATE_CONFIG: no such file in $PWD: set ACCELERATE_CONFIG to the config's" \
+        "path" >&2
     exit 2
 fi
 # Counted from 1 (nodes 1 and 2), no node would host the rendezvous: each would wait 10 minutes for it, then fail.

@@ -127,17 +127,21 @@ def test_launch_node_refuses_what_would_fail_late(tmp_path):
         return proc.stderr
 
     assert launch_node(ACCELERATE_CONFIG="accelerate_configs/fsdp2_cpu.yml") == (
-        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2_cpu.yml: no such file in {REPO} (run from the "
-        "repository's root, or set ACCELERATE_CONFIG to the config's path)\n")
-    assert launch_node(cwd=tmp_path) == (
-        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2_hsdp_multinode.yaml: no such file in {tmp_path} (run "
-        "from the repository's root, or set ACCELERATE_CONFIG to the config's path)\n")
+        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2_cpu.yml: no such file in {REPO}: set ACCELERATE_CONFIG to "
+        "the config's path\n")
+    assert launch_node(cwd=tmp_path, ACCELERATE_CONFIG="accelerate_configs/fsdp2.yaml").startswith(
+        f"error: ACCELERATE_CONFIG accelerate_configs/fsdp2.yaml: no such file in {tmp_path}:")
     for wrong in [dict(NODE_RANK="2"), dict(NODE_RANK="-1"), dict(NNODES="two"), dict(GPUS_PER_NODE="0")]:
         values = {**nodes, **wrong}
         assert launch_node(**wrong) == (
             f"error: NNODES={values['NNODES']}, GPUS_PER_NODE={values['GPUS_PER_NODE']} and "
             f"NODE_RANK={values['NODE_RANK']}: the first two must be positive whole numbers, NODE_RANK one from 0 to "
             "NNODES-1\n")
+    # From another directory (a recipe of one's own, run from its folder) the default config is the project's.
+    subprocess.run(["bash", str(REPO / "slurm" / "launch_node.sh"), "train.py"], cwd=tmp_path,
+                   env=subprocess_env(**{**nodes, "NODE_RANK": "0"}), check=True)
+    assert (bin_dir / "accelerate.args").read_text().splitlines()[:3] == [
+        "launch", "--config_file", f"{REPO}/accelerate_configs/fsdp2_hsdp_multinode.yaml"]
 
 
 def test_each_node_waits_ten_minutes_for_the_rendezvous(tmp_path):
