@@ -511,9 +511,15 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) 
     dist.all_gather_object(reports, report, group=long_wait_group())
     failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
     if failed:
+        # Every rank has stopped writing: the unfinished save would only hold the room the error asks for (a full
+        # disk stays full, and the space it reports leaves out what the save took).
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=long_wait_group())  # every rank then reports the same space
         free_mib = shutil.disk_usage(cfg.output_dir).free / 2**20
         raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with {free_mib:,.1f} MiB "
-                              f"free on the file system of {cfg.output_dir}: make room ({_room_advice(cfg)}), "
+                              f"free on the file system of {cfg.output_dir} (its unfinished folder removed): make room "
+                              f"({_room_advice(cfg)}), "
                               f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
                               f"checkpoint, if any)") from failure
 

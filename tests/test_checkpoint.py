@@ -165,9 +165,11 @@ def test_a_save_onto_a_full_disk_says_how_much_space_is_left(tiny, tmp_path):
     error = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         f"error: writing the checkpoint {out}/checkpoint-2.tmp failed \\(rank 0: .+\\), with [0-9.]+ MiB free on the "
-        f"file system of {out}: make room \\(or set --save_total_limit: every checkpoint is kept\\), then resume with "
-        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", error), error
+        f"file system of {out} \\(its unfinished folder removed\\): make room \\(or set --save_total_limit: every "
+        f"checkpoint is kept\\), then resume with --resume_from_checkpoint auto \\(`latest` still names the previous "
+        f"checkpoint, if any\\)", error), error
     left = tmp_path / "left"
+    assert sorted(os.listdir(left)) == [".run.lock", "checkpoint-1", "latest", "metrics.jsonl"]
     assert (left / "latest").read_text() == "checkpoint-1"
     assert validate_checkpoint(str(left / "checkpoint-1"))["step"] == 1
 
@@ -261,9 +263,11 @@ def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(ti
     assert re.fullmatch(
         f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: RuntimeError: \\[enforce fail at "
         f"inline_container.cc:664\\] . unexpected pos 64 vs 0\\), with [0-9.,]+ MiB free on the file system of "
-        f"{tmp_path}: make room \\({re.escape(room)}\\), then resume with --resume_from_checkpoint auto "
-        f"\\(`latest` still names the previous checkpoint, if any\\)", str(error.value)), str(error.value)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
+        f"{tmp_path} \\(its unfinished folder removed\\): make room \\({re.escape(room)}\\), then resume with "
+        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", str(error.value)), \
+        str(error.value)
+    # No `latest` names it, and the unfinished save is gone: on a full disk it held the room the error asks for.
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
