@@ -52,7 +52,7 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from .config import ConfigError, TrainConfig, looked_in
 from .distributed import long_wait_group, print_rank0, ranks, run_on_rank0
-from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
+from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir, space_left,
                      tied_parameter_names, write_gathered_weights, write_model_files)
 from .plan import STATE_DICT_TYPES, TRUE, env_enum
 from .progress import print_line
@@ -516,9 +516,8 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) 
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=long_wait_group())  # every rank then reports the same space
-        free_mib = shutil.disk_usage(cfg.output_dir).free / 2**20
-        raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with {free_mib:,.1f} MiB "
-                              f"free on the file system of {cfg.output_dir} (its unfinished folder removed): make room "
+        raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with "
+                              f"{space_left(cfg.output_dir)} (its unfinished folder removed): make room "
                               f"({_room_advice(cfg)}), "
                               f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
                               f"checkpoint, if any)") from failure

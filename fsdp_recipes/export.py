@@ -32,7 +32,7 @@ from transformers.core_model_loading import revert_weight_conversion
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import cached_file
 
-from .config import shard_size_in_bytes
+from .config import ConfigError, shard_size_in_bytes
 from .data_formats import turn_closing_token_id
 from .distributed import run_on_rank0
 from .model import set_use_cache
@@ -136,6 +136,16 @@ def _safetensors_header(tensors: dict[str, tuple[torch.Size, torch.dtype]]) -> b
     data = json.dumps(header, separators=(",", ":")).encode()
     data += b" " * (-len(data) % 8)  # the format pads the header with spaces so that the tensor bytes start aligned
     return struct.pack("<Q", len(data)) + data
+
+
+class WriteError(ConfigError):
+    """An output that cannot be written (a full disk, a quota, a read-only folder); the message says what failed,
+    the space left and what to do."""
+
+
+def space_left(path: str) -> str:
+    """'1,234.5 MiB free on the file system of <path>', for an error about a write that failed."""
+    return f"{shutil.disk_usage(path).free / 2**20:,.1f} MiB free on the file system of {path}"
 
 
 def fsync(path: str) -> None:
@@ -242,12 +252,22 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
 
     def write():
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        write_gathered_weights(model, state_dict, tmp_dir, dtype, max_shard_size, original_layout=True)
-        write_model_files(model, tokenizer, tmp_dir, dtype)
-        # On disk before the rename: a node that crashes right after the run must not leave a folder of empty files.
-        fsync_tree(tmp_dir)
-        replace_dir(tmp_dir, out_dir)
-        fsync(os.path.dirname(os.path.abspath(out_dir)))
+        try:
+            write_gathered_weights(model, state_dict, tmp_dir, dtype, max_shard_size, original_layout=True)
+            write_model_files(model, tokenizer, tmp_dir, dtype)
+            # On disk before the rename: a node that crashes right after the run must not leave a folder of empty
+            # files.
+            fsync_tree(tmp_dir)
+            replace_dir(tmp_dir, out_dir)
+            fsync(os.path.dirname(os.path.abspath(out_dir)))
+        except OSError as error:  # a full disk: the unfinished folder would keep the room the error asks for
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            parent = os.path.dirname(os.path.abspath(out_dir))
+            raise WriteError(f"writing {out_dir} failed ({type(error).__name__}: {error}), with {space_left(parent)} "
+                             f"(its unfinished folder removed): make room, then run again with "
+                             f"--resume_from_checkpoint auto, which writes {os.path.basename(out_dir)}/ from the run's "
+                             f"last checkpoint without training again (a run without --save_steps has none: it "
+                             f"trains again)") from error
 
     run_on_rank0(write, f"to write {out_dir}")
 

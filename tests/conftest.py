@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import json
 import os
+import resource
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -109,6 +112,19 @@ def write_tiny_model(path: Path, dtype=torch.bfloat16, **config_overrides) -> Pa
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def file_size_limit(size: int):
+    """In this process, a write past `size` bytes of a file fails with OSError EFBIG, as a full disk fails a write
+    (RLIMIT_FSIZE, with SIGXFSZ ignored: it would end the process)."""
+    limit, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The exported Hugging Face folder holds exactly the trained weights: logits are bit-equal after a reload."""
 
 import json
+import re
 import shutil
 import sys
 
@@ -16,13 +17,13 @@ from fsdp_recipes import convert as convert_module, demo
 from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
-from fsdp_recipes.export import save_hf_model, write_hf_weights, write_model_files
+from fsdp_recipes.export import WriteError, save_hf_model, write_hf_weights, write_model_files
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import kept_in_fp32
 from fsdp_recipes.trainer import build_optimizer
 
-from conftest import read_metrics, run, torchrun
+from conftest import file_size_limit, read_metrics, run, torchrun
 
 
 @pytest.mark.parametrize("model_key, fsdp_version", [("model", 2), ("tied_model", 2), ("tied_model", 1)])
@@ -261,6 +262,24 @@ def test_an_export_starts_afresh_from_what_a_killed_one_left(tmp_path, one_proce
     save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
     assert sorted(p.name for p in (tmp_path / "final").glob("model*")) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_an_export_onto_a_full_disk_says_so_and_leaves_no_unfinished_folder(tmp_path, one_process_group):
+    # A failed write showed only OSError's traceback, naming neither final/ nor what to do, and left final.tmp, which
+    # kept the room on a full disk.
+    tokenizer = demo.build_tokenizer()
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1))
+    (tmp_path / "final").mkdir()  # an earlier export, which a failed one must leave as it is
+    (tmp_path / "final" / "config.json").write_text("{}")
+    with file_size_limit(4096), pytest.raises(WriteError) as error:
+        save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    assert re.fullmatch(
+        f"writing {tmp_path}/final failed \\(OSError: \\[Errno 27\\] File too large\\), with [0-9.,]+ MiB free on the "
+        f"file system of {tmp_path} \\(its unfinished folder removed\\): make room, then run again with "
+        f"--resume_from_checkpoint auto, which writes final/ from the run's last checkpoint without training again "
+        f"\\(a run without --save_steps has none: it trains again\\)", str(error.value)), str(error.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "final"]
 
 
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
