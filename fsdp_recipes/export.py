@@ -143,9 +143,22 @@ class WriteError(ConfigError):
     the space left and what to do."""
 
 
+# How a full disk (or a user's quota) fails a write.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def space_left(path: str) -> str:
     """'1,234.5 MiB free on the file system of <path>', for an error about a write that failed."""
     return f"{shutil.disk_usage(path).free / 2**20:,.1f} MiB free on the file system of {path}"
+
+
+def write_failure(path: str, error: OSError) -> str:
+    """The start of the error for `path`, whose unfinished folder was removed: what failed, the space left beside
+    it, and what to do (a permission or read-only error needs no room)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    remedy = "make room" if error.errno in DISK_FULL else "fix what it names"
+    return (f"writing {path} failed ({type(error).__name__}: {error}), with {space_left(parent)} (its unfinished "
+            f"folder removed): {remedy}")
 
 
 def fsync(path: str) -> None:
@@ -262,12 +275,9 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
             fsync(os.path.dirname(os.path.abspath(out_dir)))
         except OSError as error:  # a full disk: the unfinished folder would keep the room the error asks for
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            parent = os.path.dirname(os.path.abspath(out_dir))
-            raise WriteError(f"writing {out_dir} failed ({type(error).__name__}: {error}), with {space_left(parent)} "
-                             f"(its unfinished folder removed): make room, then run again with "
-                             f"--resume_from_checkpoint auto, which writes {os.path.basename(out_dir)}/ from the run's "
-                             f"last checkpoint without training again (a run without --save_steps has none: it "
-                             f"trains again)") from error
+            raise WriteError(f"{write_failure(out_dir, error)}, then run again with --resume_from_checkpoint auto, "
+                             f"which writes {os.path.basename(out_dir)}/ from the run's last checkpoint without "
+                             f"training again (a run without --save_steps has none: it trains again)") from error
 
     run_on_rank0(write, f"to write {out_dir}")
 

@@ -52,7 +52,7 @@ from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoi
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
-from conftest import REPO, read_metrics, run, subprocess_env, torchrun, write_tiny_model
+from conftest import REPO, file_size_limit, read_metrics, run, subprocess_env, torchrun, write_tiny_model
 from test_data import two_ranks
 from test_readme import readme_commands
 
@@ -923,6 +923,18 @@ def test_converter_names_an_output_folder_it_cannot_create(tiny, tmp_path, one_p
     assert proc.stderr.strip().splitlines() == [
         f"error: cannot write in {tmp_path}/read_only (Read-only file system): choose an output folder where you "
         f"can write"]
+
+
+def test_a_conversion_onto_a_full_disk_says_so_and_leaves_no_unfinished_folder(tiny, tmp_path, one_process_group):
+    # It showed OSError's traceback alone ([Errno 27] File too large), naming neither the folder nor what to do.
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    with file_size_limit(4096), pytest.raises(CheckpointError) as error:
+        convert(checkpoint, str(tmp_path / "hf"))
+    assert re.fullmatch(
+        f"writing {tmp_path}/hf failed \\(OSError: \\[Errno 27\\] File too large\\), with [0-9.,]+ MiB free on the file "
+        f"system of {tmp_path} \\(its unfinished folder removed\\): make room and convert again, or give an output "
+        f"folder on another file system", str(error.value)), str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 def test_a_checkpoint_missing_a_model_file_is_refused_and_one_without_its_resume_parts_converts(
