@@ -39,8 +39,8 @@ from .checkpoint import (STATE_NAME, CheckpointError, SafeFileSystemReader, read
                          validate_checkpoint)
 from .cli import run_main
 from .config import shard_size_in_bytes
-from .export import (DISK_FULL, INDEX_NAME, SAFETENSORS_DTYPES, fsync, fsync_tree, original_layout_of,
-                     tied_parameter_names, weight_dtypes, write_failure, write_hf_weights)
+from .export import (DISK_FULL, INDEX_NAME, SAFETENSORS_DTYPES, UNFINISHED_REMOVED, fsync, fsync_tree,
+                     original_layout_of, tied_parameter_names, weight_dtypes, write_failure, write_hf_weights)
 from .flops import build_meta_model
 
 # What a checkpoint folder holds for the resume only (see checkpoint.py), and config.json, written with the dtype.
@@ -83,7 +83,7 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         shutil.rmtree(tmp, ignore_errors=True)
         # A full disk: OSError's own message names neither the folder nor what to do (a read error stays as it is).
         if isinstance(error, OSError) and error.errno in DISK_FULL:
-            raise CheckpointError(f"{write_failure(out_dir, error)} and convert again, or give an output folder on "
+            raise CheckpointError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)} and convert again, or give an output folder on "
                                   f"another file system") from error
         raise
 

@@ -145,6 +145,7 @@ class WriteError(ConfigError):
 
 # How a full disk (or a user's quota) fails a write.
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+UNFINISHED_REMOVED = " (its unfinished folder removed)"
 
 
 def space_left(path: str) -> str:
@@ -152,13 +153,12 @@ def space_left(path: str) -> str:
     return f"{shutil.disk_usage(path).free / 2**20:,.1f} MiB free on the file system of {path}"
 
 
-def write_failure(path: str, error: OSError) -> str:
-    """The start of the error for `path`, whose unfinished folder was removed: what failed, the space left beside
-    it, and what to do (a permission or read-only error needs no room)."""
+def write_failure(path: str, error: OSError, note: str = "") -> str:
+    """The start of the error for a write of `path` that failed: what failed, the space left beside it (`note`
+    after it, such as what was removed), and what to do (a permission or read-only error needs no room)."""
     parent = os.path.dirname(os.path.abspath(path))
     remedy = "make room" if error.errno in DISK_FULL else "fix what it names"
-    return (f"writing {path} failed ({type(error).__name__}: {error}), with {space_left(parent)} (its unfinished "
-            f"folder removed): {remedy}")
+    return f"writing {path} failed ({type(error).__name__}: {error}), with {space_left(parent)}{note}: {remedy}"
 
 
 def fsync(path: str) -> None:
@@ -275,7 +275,7 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
             fsync(os.path.dirname(os.path.abspath(out_dir)))
         except OSError as error:  # a full disk: the unfinished folder would keep the room the error asks for
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise WriteError(f"{write_failure(out_dir, error)}, then run again with --resume_from_checkpoint auto, "
+            raise WriteError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)}, then run again with --resume_from_checkpoint auto, "
                              f"which writes {os.path.basename(out_dir)}/ from the run's last checkpoint without "
                              f"training again (a run without --save_steps has none: it trains again)") from error
 

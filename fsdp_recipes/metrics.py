@@ -18,6 +18,7 @@ import torch
 
 from .config import ConfigError, TrainConfig
 from .distributed import run_on_rank0
+from .export import WriteError, write_failure
 
 _VERSIONED_PACKAGES = ["fsdp-recipes", "transformers", "accelerate", "datasets", "safetensors", "wandb"]
 # Where a checkpoint's trainer_state.json says its W&B run is.
@@ -122,6 +123,19 @@ def start_wandb_run(cfg: TrainConfig, run_config: dict | None, resume_from: Opti
     )
 
 
+@contextlib.contextmanager
+def stop_on_write_error(path: str):
+    """A write of `path` that fails inside (a full disk) stops the run with an error naming it and what to do, not
+    with OSError alone (which names no file); `path`.tmp, written aside to be renamed onto it, is removed."""
+    try:
+        yield
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise WriteError(f"{write_failure(path, error)}, then resume with --resume_from_checkpoint auto (from the "
+                         f"run's last checkpoint, if it saved one)") from error
+
+
 class MetricsLogger:
     """`run_config` goes to W&B next to the resolved config (e.g. the sharding plan); `resume_from` is the
     checkpoint a resumed run starts from, whose W&B run it continues."""
@@ -172,9 +186,10 @@ class MetricsLogger:
             with open(self.path) as f:
                 kept = [line for line in f if parsed_step(line) <= step]
         # Written aside, then renamed: a process killed while writing leaves the whole history, not a part of it.
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(self.path + ".tmp", self.path)
+        with stop_on_write_error(self.path):
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
 
     def evaluated(self, step: int) -> bool:
         """Whether metrics.jsonl holds an evaluation of `step`, as rank 0 reads it after start_at (False elsewhere)."""
@@ -188,7 +203,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         self.last_step = metrics["step"]
-        with open(self.path, "a") as f:
+        with stop_on_write_error(self.path), open(self.path, "a") as f:
             f.write(json.dumps(strict_json(metrics), allow_nan=False) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
@@ -199,11 +214,12 @@ class MetricsLogger:
             return
         # Written aside, then renamed: a samples.jsonl cut short by a kill would tell a resume that they were written.
         path = os.path.join(os.path.dirname(self.path), "samples.jsonl")
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(sample) + "\n" for sample in samples)
-            f.flush()
-            os.fsync(f.fileno())  # and on disk before the rename: a node lost right after must not leave it empty
-        os.replace(path + ".tmp", path)
+        with stop_on_write_error(path):
+            with open(path + ".tmp", "w") as f:
+                f.writelines(json.dumps(sample) + "\n" for sample in samples)
+                f.flush()
+                os.fsync(f.fileno())  # and on disk before the rename: a node lost right after must not leave it empty
+            os.replace(path + ".tmp", path)
         if self.wandb_run is not None:
             import wandb
 

@@ -22,7 +22,8 @@ import wandb
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import REPO, read_metrics, run, run_on_terminal, subprocess_env, torchrun, write_tiny_model
+from conftest import (REPO, file_size_limit, read_metrics, run, run_on_terminal, subprocess_env, torchrun,
+                      write_tiny_model)
 from fsdp_recipes import progress, trainer
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
 from fsdp_recipes.data import build_dataloader, build_datasets, optimizer_step_batches
@@ -31,6 +32,7 @@ from fsdp_recipes.device_stats import flops_model, local_peak_memory
 from fsdp_recipes.distributed import DistEnv
 from fsdp_recipes.evaluation import eval_batches, perplexity
 from fsdp_recipes.flops import training_flops_per_token
+from fsdp_recipes.export import WriteError
 from fsdp_recipes.metrics import MetricsLogger
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
@@ -639,3 +641,23 @@ def test_flops_come_from_the_architecture_whatever_the_sharding(tiny):
 def test_eval_steps_need_a_held_out_split():
     with pytest.raises(ConfigError, match="^eval_steps evaluates the held-out split every N steps, and the run has no held-out split"):
         parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--eval_steps", "10"])
+
+
+def test_metrics_and_samples_that_cannot_be_written_name_the_file_and_what_to_do(tmp_path):
+    # A full disk showed OSError's traceback alone ([Errno 28] No space left on device, naming no file) on rank 0.
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path)])
+    logger = MetricsLogger(cfg, is_main=True)
+    logger.start_at(0)
+    logger.log({"step": 1, "loss": 2.5})
+    then = (", then resume with --resume_from_checkpoint auto \\(from the run's last checkpoint, if it saved "
+            "one\\)")
+    room = os.path.getsize(tmp_path / "metrics.jsonl") + 8  # part of the next line fits
+    for path, limit, write in [
+            ("metrics.jsonl", room, lambda: logger.log({"step": 2, "loss": 2.25})),
+            ("samples.jsonl", 8, lambda: logger.log_samples([{"prompt": "reverse: ab", "completion": "ba"}]))]:
+        with file_size_limit(limit), pytest.raises(WriteError) as error:
+            write()
+        assert re.fullmatch(f"writing {tmp_path}/{path} failed \\(OSError: \\[Errno 27\\] File too large\\), with "
+                            f"[0-9.,]+ MiB free on the file system of {tmp_path}: make room{then}", str(error.value)), \
+            str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # samples.jsonl.tmp removed
