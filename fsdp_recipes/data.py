@@ -28,6 +28,7 @@ from .data_formats import (DEFAULT_CHAT_TEMPLATE, FORMATS, IGNORE_INDEX, OPTIONA
 from .data_sources import (cache_path, carve_eval, folder_summary, load_sources, parse_column_mapping, parse_weights,
                            per_source, row_origin, weighted_sample)
 from .distributed import long_wait_group, print_rank0, run_on_rank0
+from .export import DISK_FULL, space_left
 from .sharding import reshard
 
 
@@ -186,6 +187,25 @@ def on_rank0_first(build: Callable[[], T]) -> T:
     return result
 
 
+def naming_a_full_cache(build: Callable[[], T]) -> T:
+    """`build()`; a full disk while it writes the tokenized data into the datasets cache is an error that names the
+    cache and what to do, not OSError alone (No space left on device, naming no file). datasets removes its
+    unfinished files itself."""
+    try:
+        return build()
+    except Exception as error:
+        # datasets' clean-up after the failed write can fail in turn (ValueError: I/O operation on closed file).
+        cause = error
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno in DISK_FULL):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        cache = str(datasets.config.HF_DATASETS_CACHE)
+        raise ConfigError(f"writing the tokenized data into the datasets cache failed ({type(cause).__name__}: "
+                          f"{cause}), with {space_left(cache)}: make room there, or set HF_DATASETS_CACHE (or "
+                          f"HF_HOME) to a folder on a file system with room") from error
+
+
 def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optional[datasets.Dataset]]:
     """Tokenized (and, with `packing`, packed) training set, and the tokenized eval set or None.
 
@@ -247,7 +267,7 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
                         f"{cfg.max_seq_length} tokens")
         return train, eval_set
 
-    train, eval_set = on_rank0_first(build)
+    train, eval_set = on_rank0_first(functools.partial(naming_a_full_cache, build))
     if cfg.generation_prompts and cfg.generation_use_chat_template is None:
         # Prompted as the data were trained: a model trained on prompt/completion data never saw the template.
         templated = {fmt in ("chat", "instruction") for fmt in formats}

@@ -45,7 +45,7 @@ from fsdp_recipes.data_sources import carve_eval, load_split
 from fsdp_recipes.model import load_tokenizer
 from fsdp_recipes.trainer import token_loss_sum
 
-from conftest import REPO, read_metrics, subprocess_env, torchrun
+from conftest import REPO, file_size_limit, read_metrics, subprocess_env, torchrun
 
 TOKENIZER = demo.build_tokenizer()
 
@@ -2332,3 +2332,15 @@ def test_a_data_folder_of_no_data_files_or_of_an_unread_data_type_is_refused(tmp
     with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'data_b.tsv'))}: unsupported file type in "
                                           f"the data folder"):
         load_split(str(tmp_path), None, "train")
+
+
+def test_a_full_datasets_cache_is_named_with_what_to_do(tmp_path, monkeypatch):
+    # Tokenizing onto a full disk showed OSError alone (No space left on device), naming neither the cache nor a remedy.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with file_size_limit(4096), pytest.raises(ConfigError) as error:
+        build_datasets(cfg(tmp_path / "d.jsonl"), TOKENIZER)
+    assert re.fullmatch(f"writing the tokenized data into the datasets cache failed \\(OSError: \\[Errno 27\\] File too "
+                        f"large\\), with [0-9.,]+ MiB free on the file system of {tmp_path}/cache: make room there, or "
+                        f"set HF_DATASETS_CACHE \\(or HF_HOME\\) to a folder on a file system with room",
+                        str(error.value)), str(error.value)
