@@ -52,8 +52,8 @@ from torch.distributed.fsdp import ShardingStrategy
 
 from .config import ConfigError, TrainConfig, looked_in
 from .distributed import long_wait_group, print_rank0, ranks, run_on_rank0
-from .export import (INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir, space_left,
-                     tied_parameter_names, write_gathered_weights, write_model_files)
+from .export import (DISK_FULL, INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
+                     space_left, tied_parameter_names, write_gathered_weights, write_model_files)
 from .plan import STATE_DICT_TYPES, TRUE, env_enum
 from .progress import print_line
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
@@ -505,20 +505,25 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) 
             if isinstance(error, KeyboardInterrupt):  # DCP wraps a Ctrl-C too: the run stops as it does elsewhere
                 raise error from None
         if error is not None:
-            report = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-    reports: list[Optional[str]] = [None] * dist.get_world_size()
+            # An OSError of another kind (a permission, a read-only file system) needs no room; torch's full disk is
+            # a RuntimeError.
+            needs_room = not isinstance(error, OSError) or error.errno in DISK_FULL
+            report = (f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}",
+                      needs_room)
+    reports: list[Optional[tuple[str, bool]]] = [None] * dist.get_world_size()
     # Not on the training group's timeout: in the full format rank 0 alone writes the fp32 weights (282 GB for 70B).
     dist.all_gather_object(reports, report, group=long_wait_group())
-    failed = [f"rank {rank}: {report}" for rank, report in enumerate(reports) if report]
+    failed = [f"rank {rank}: {report[0]}" for rank, report in enumerate(reports) if report]
     if failed:
         # Every rank has stopped writing: the unfinished save would only hold the room the error asks for (a full
         # disk stays full, and the space it reports leaves out what the save took).
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=long_wait_group())  # every rank then reports the same space
+        remedy = (f"make room ({_room_advice(cfg)})" if any(report and report[1] for report in reports) else
+                  "fix what it names (the folder's permissions, a file system mounted read-only)")
         raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with "
-                              f"{space_left(cfg.output_dir)} (its unfinished folder removed): make room "
-                              f"({_room_advice(cfg)}), "
+                              f"{space_left(cfg.output_dir)} (its unfinished folder removed): {remedy}, "
                               f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
                               f"checkpoint, if any)") from failure
 

@@ -270,6 +270,31 @@ def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(ti
     assert os.listdir(tmp_path) == []
 
 
+def test_a_save_the_file_system_refuses_says_to_fix_that_not_to_make_room(tiny, tmp_path, one_process_group,
+                                                                           monkeypatch):
+    # Flaky permissions, a file system remounted read-only: the advice was to make room and change save_total_limit.
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    save = torch.save
+
+    def refused_at_the_rng_file(obj, file, *args, **kwargs):
+        if str(file).endswith("rank_0.pt"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", refused_at_the_rng_file)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    assert re.fullmatch(
+        f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: PermissionError: \\[Errno 13\\] "
+        f"Permission denied: '{tmp_path}/checkpoint-2.tmp/rng/rank_0.pt'\\), with [0-9.,]+ MiB free on the file "
+        f"system of {tmp_path} \\(its unfinished folder removed\\): fix what it names \\(the folder's permissions, a "
+        f"file system mounted read-only\\), then resume with --resume_from_checkpoint auto \\(`latest` still names "
+        f"the previous checkpoint, if any\\)", str(error.value)), str(error.value)
+
+
 def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
     # Same size, other bytes (bit rot, a copy that went wrong): DCP's own error named no file, and escaped run_main.
     checkpoint = tmp_path / "checkpoint-6"
