@@ -18,6 +18,7 @@ from .checkpoint import (LATEST_NAME, SAVE_RE, check_checkpoint_folder, checkpoi
                          previous_run)
 from .config import ConfigError, TrainConfig
 from .distributed import run_on_rank0
+from .export import DISK_FULL, space_left
 from .metrics import saved_wandb_run
 from .progress import print_line
 
@@ -49,8 +50,12 @@ def check_shared_output_dir(out: str) -> None:
                     f.write(token)
                 sent[0] = (token, None)
         except OSError as error:
+            # A full disk: no permission or other file system is needed, only room.
+            remedy = (f"make room on its file system ({space_left(out)}), or choose an output_dir with room"
+                      if error.errno in DISK_FULL else
+                      "choose an output_dir this user can write, on a file system that every rank sees")
             sent[0] = (None, f"output_dir {out} cannot be created or written ({type(error).__name__}: {error}): "
-                             f"choose an output_dir this user can write, on a file system that every rank sees")
+                             f"{remedy}")
     dist.broadcast_object_list(sent, src=0)
     token, failure = sent[0]
     if failure:

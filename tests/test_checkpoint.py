@@ -1447,6 +1447,11 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_p
         prepare_output_dir(config(tmp_path / "a_file"))
     assert str(error.value) == f"output_dir {tmp_path}/a_file is a file, not a folder: choose another output_dir"
     assert (tmp_path / "a_file").read_text() == "mine"
+    with file_size_limit(0), pytest.raises(ConfigError) as error:  # a full disk: no other user or file system needed
+        prepare_output_dir(config(tmp_path / "full"))
+    assert re.fullmatch(f"output_dir {tmp_path}/full cannot be created or written \\(OSError: \\[Errno 27\\] File too "
+                        f"large\\): make room on its file system \\([0-9.,]+ MiB free on the file system of "
+                        f"{tmp_path}/full\\), or choose an output_dir with room", str(error.value)), str(error.value)
 
 
 def test_a_second_run_into_an_output_dir_in_use_is_refused_until_the_first_ends(tiny, tmp_path):
