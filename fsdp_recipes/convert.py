@@ -83,8 +83,8 @@ def convert(checkpoint: str, out_dir: str, dtype: torch.dtype = torch.float32, m
         shutil.rmtree(tmp, ignore_errors=True)
         # A full disk: OSError's own message names neither the folder nor what to do (a read error stays as it is).
         if isinstance(error, OSError) and error.errno in DISK_FULL:
-            raise CheckpointError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)} and convert again, or give an output folder on "
-                                  f"another file system") from error
+            raise CheckpointError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)} and convert again, or give "
+                                  f"an output folder on another file system") from error
         raise
 
 

@@ -149,7 +149,10 @@ UNFINISHED_REMOVED = " (its unfinished folder removed)"
 
 
 def space_left(path: str) -> str:
-    """'1,234.5 MiB free on the file system of <path>', for an error about a write that failed."""
+    """'1,234.5 MiB free on the file system of <path>', for an error about a write that failed; of the nearest
+    folder above `path` that exists, where a full disk stopped its creation."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
     return f"{shutil.disk_usage(path).free / 2**20:,.1f} MiB free on the file system of {path}"
 
 
@@ -275,9 +278,10 @@ def save_hf_model(model: PreTrainedModel, tokenizer, out_dir: str, dtype: torch.
             fsync(os.path.dirname(os.path.abspath(out_dir)))
         except OSError as error:  # a full disk: the unfinished folder would keep the room the error asks for
             shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise WriteError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)}, then run again with --resume_from_checkpoint auto, "
-                             f"which writes {os.path.basename(out_dir)}/ from the run's last checkpoint without "
-                             f"training again (a run without --save_steps has none: it trains again)") from error
+            raise WriteError(f"{write_failure(out_dir, error, UNFINISHED_REMOVED)}, then run again with "
+                             f"--resume_from_checkpoint auto, which writes {os.path.basename(out_dir)}/ from the run's "
+                             f"last checkpoint without training again (a run without --save_steps has none: it trains "
+                             f"again)") from error
 
     run_on_rank0(write, f"to write {out_dir}")
 
