@@ -264,8 +264,8 @@ def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(ti
         f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: RuntimeError: \\[enforce fail at "
         f"inline_container.cc:664\\] . unexpected pos 64 vs 0\\), with [0-9.,]+ MiB free on the file system of "
         f"{tmp_path} \\(its unfinished folder removed\\): make room \\({re.escape(room)}\\), then resume with "
-        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", str(error.value)), \
-        str(error.value)
+        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)",
+        str(error.value)), str(error.value)
     # No `latest` names it, and the unfinished save is gone: on a full disk it held the room the error asks for.
     assert os.listdir(tmp_path) == []
 
@@ -956,9 +956,9 @@ def test_a_conversion_onto_a_full_disk_says_so_and_leaves_no_unfinished_folder(t
     with file_size_limit(4096), pytest.raises(CheckpointError) as error:
         convert(checkpoint, str(tmp_path / "hf"))
     assert re.fullmatch(
-        f"writing {tmp_path}/hf failed \\(OSError: \\[Errno 27\\] File too large\\), with [0-9.,]+ MiB free on the file "
-        f"system of {tmp_path} \\(its unfinished folder removed\\): make room and convert again, or give an output "
-        f"folder on another file system", str(error.value)), str(error.value)
+        f"writing {tmp_path}/hf failed \\(OSError: \\[Errno 27\\] File too large\\), with [0-9.,]+ MiB free on the "
+        f"file system of {tmp_path} \\(its unfinished folder removed\\): make room and convert again, or give an "
+        f"output folder on another file system", str(error.value)), str(error.value)
     assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
