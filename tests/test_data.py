@@ -2341,6 +2341,6 @@ def test_a_full_datasets_cache_is_named_with_what_to_do(tmp_path, monkeypatch):
     with file_size_limit(4096), pytest.raises(ConfigError) as error:
         build_datasets(cfg(tmp_path / "d.jsonl"), TOKENIZER)
     assert re.fullmatch(f"writing the tokenized data into the datasets cache failed \\(OSError: \\[Errno 27\\] File "
-                        f"too large\\), with [0-9.,]+ MiB free on the file system of {tmp_path}/cache: make room there, "
-                        f"or set HF_DATASETS_CACHE \\(or HF_HOME\\) to a folder on a file system with room",
+                        f"too large\\), with [0-9.,]+ MiB free on the file system of {tmp_path}/cache: make room "
+                        f"there, or set HF_DATASETS_CACHE \\(or HF_HOME\\) to a folder on a file system with room",
                         str(error.value)), str(error.value)
