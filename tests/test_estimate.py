@@ -720,6 +720,15 @@ def test_a_recipe_config_is_estimated_as_the_run_it_describes(tmp_path, capsys):
     assert "micro-batch per GPU: 2 x 64 tokens, activation checkpointing off, offload off, eager" in \
         capsys.readouterr().out
 
+    # Offload from the YAML's fsdp_offload_params, turned off by --no-offload; the size-based wrap is named.
+    (tmp_path / "offload.yaml").write_text(f"model_name_or_path: {model}\nfsdp_offload_params: true\n"
+                                           f"fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n")
+    args = parse_args(["--config", str(tmp_path / "offload.yaml"), "--num_gpus", "2"])
+    assert args.offload and args.notes == [
+        f"note: {tmp_path}/offload.yaml sets fsdp_auto_wrap_policy: SIZE_BASED_WRAP, which the estimate does not "
+        f"model: the figures are for one unit per decoder layer"]
+    assert not parse_args(["--config", str(tmp_path / "offload.yaml"), "--num_gpus", "2", "--no-offload"]).offload
+
     with yaml.open("a") as f:
         f.write("fsdp_version: 1\ngradient_sync: last_micro_batch\ngradient_accumulation_steps: 2\n")
     main(["--config", str(yaml), "--num_gpus", "2"])
@@ -750,6 +759,15 @@ def test_a_recipe_configs_values_are_named_in_their_errors(tmp_path):
     with pytest.raises(ConfigError, match="^--model is required: give a hub id, a model folder or a config.json, or "
                                           "--config with a recipe YAML that sets model_name_or_path$"):
         parse_args(["--num_gpus", "2"])
+    # The model's kind is refused naming the YAML's key too.
+    AutoConfig.for_model("t5", d_model=32, num_layers=1, num_heads=2, d_ff=64).save_pretrained(tmp_path / "t5")
+    yaml.write_text(f"model_name_or_path: {tmp_path / 't5'}\n")
+    with pytest.raises(ConfigError, match=f"^model_name_or_path \\(from {yaml}\\) {tmp_path}/t5 is a t5 model, "):
+        main(["--config", str(yaml), "--num_gpus", "2"])
+    # A flag given besides the YAML is named as the flag, in either spelling.
+    for flag in (["--seq_len", "0"], ["--seq_len=0"]):
+        with pytest.raises(ConfigError, match="^--seq_len must be at least 1, got 0$"):
+            parse_args(["--config", str(yaml), "--num_gpus", "2", *flag])
     # The recipe's own checks of its YAML.
     yaml.write_text("max_seq_lenght: 64\n")
     with pytest.raises(ConfigError, match="max_seq_lenght"):
