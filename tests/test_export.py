@@ -1,6 +1,8 @@
 """The exported Hugging Face folder holds exactly the trained weights: logits are bit-equal after a reload."""
 
+import errno
 import json
+import os
 import re
 import shutil
 import sys
@@ -17,7 +19,8 @@ from fsdp_recipes import convert as convert_module, demo
 from fsdp_recipes.checkpoint import save_checkpoint
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert, set_config_dtype_in_json
-from fsdp_recipes.export import WriteError, save_hf_model, write_hf_weights, write_model_files
+from fsdp_recipes.export import (WriteError, save_hf_model, space_left, write_failure, write_hf_weights,
+                                 write_model_files)
 from fsdp_recipes.model import export_dtype, load_sharded_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import kept_in_fp32
@@ -280,6 +283,18 @@ def test_an_export_onto_a_full_disk_says_so_and_leaves_no_unfinished_folder(tmp_
         f"--resume_from_checkpoint auto, which writes final/ from the run's last checkpoint without training again "
         f"\\(a run without --save_steps has none: it trains again\\)", str(error.value)), str(error.value)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["config.json", "final"]
+
+
+def test_a_failed_write_asks_for_room_only_when_the_disk_or_a_quota_is_full(tmp_path):
+    # The tests above fill a file size limit (EFBIG); a full disk is ENOSPC, a user's quota EDQUOT.
+    for code, remedy in [(errno.ENOSPC, "make room"), (errno.EDQUOT, "make room"), (errno.EFBIG, "make room"),
+                         (errno.EACCES, "fix what it names"), (errno.EROFS, "fix what it names")]:
+        error = OSError(code, os.strerror(code))
+        message = write_failure(str(tmp_path / "final"), error)
+        assert re.fullmatch(f"writing {tmp_path}/final failed \\({type(error).__name__}: {re.escape(str(error))}\\), "
+                            f"with [0-9.,]+ MiB free on the file system of {tmp_path}: {remedy}", message), message
+    # Of the nearest folder that exists: a full disk can stop the output folder's creation.
+    assert re.fullmatch(f"[0-9.,]+ MiB free on the file system of {tmp_path}", space_left(str(tmp_path / "a" / "b")))
 
 
 def test_integer_tensors_are_written_as_stored(tmp_path, one_process_group):
