@@ -661,3 +661,11 @@ def test_metrics_and_samples_that_cannot_be_written_name_the_file_and_what_to_do
                             f"[0-9.,]+ MiB free on the file system of {tmp_path}: make room{then}", str(error.value)), \
             str(error.value)
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]  # samples.jsonl.tmp removed
+    # A resume's rewrite of the steps it keeps: the history is left whole, its .tmp removed.
+    history = (tmp_path / "metrics.jsonl").read_text()
+    with file_size_limit(8), pytest.raises(WriteError) as error:
+        MetricsLogger(cfg, is_main=True).start_at(1)
+    assert re.fullmatch(f"writing {tmp_path}/metrics.jsonl failed \\(OSError: \\[Errno 27\\] File too large\\), with "
+                        f"[0-9.,]+ MiB free on the file system of {tmp_path}: make room{then}", str(error.value)), \
+        str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"] and (tmp_path / "metrics.jsonl").read_text() == history
