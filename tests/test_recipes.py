@@ -513,6 +513,11 @@ def test_recipe_points_to_the_recipe_of_the_models_family_and_refuses_a_part_mod
     with pytest.raises(ConfigError, match="or create one with `python -m fsdp_recipes.new_recipe olmo2 --recipes_dir "
                                           "<your recipes folder>`$"):
         check(tmp_path / "olmo2", "llama_sft.py", {"llama": None})
+    # A copy of one's own still gets its own folder.
+    with pytest.raises(ConfigError, match=f"or create one with `python -m fsdp_recipes.new_recipe olmo2 --recipes_dir "
+                                          f"{tmp_path}/mine`$"):
+        check_model_type(parse_config(["--model_name_or_path", str(tmp_path / "olmo2"), "--dataset_name", "d"]),
+                         {"llama": None}, str(tmp_path / "mine" / "my_sft.py"))
     # Llama 4 checkpoints hold a vision model too, of which AutoModelForCausalLM would load the text model alone.
     AutoConfig.for_model("llama4").save_pretrained(tmp_path / "llama4")
     with pytest.raises(ConfigError, match="is a llama4 model, of which AutoModelForCausalLM loads the "
@@ -991,6 +996,11 @@ def test_the_built_package_holds_the_recipes_and_new_recipe_runs_from_it(tmp_pat
     proc = new_recipe_command("--sync", "--recipes_dir", "mine")
     assert (proc.returncode, proc.stdout) == (0, f"every recipe in mine already has the shared part of "
                                                  f"{installed}/llama_sft.py\n")
+    # The generic recipe a model type without one is pointed to is the installed package's.
+    proc = subprocess.run([sys.executable, "-c", "from fsdp_recipes.new_recipe import generic_recipe; "
+                           "print(generic_recipe())"], cwd=tmp_path, text=True, capture_output=True, check=True,
+                          env=subprocess_env(PYTHONPATH=str(tmp_path / "site-packages")))
+    assert proc.stdout == "site-packages/fsdp_recipes/recipes/sft.py\n"
     proc = new_recipe_command("qwen2")
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.endswith(f"error: give --recipes_dir, the folder of your recipes (the installed package's own "
