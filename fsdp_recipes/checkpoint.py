@@ -520,12 +520,19 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) 
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=long_wait_group())  # every rank then reports the same space
-        remedy = (f"make room ({_room_advice(cfg)})" if any(report and report[1] for report in reports) else
-                  "fix what it names (the folder's permissions, a file system mounted read-only)")
         raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with "
-                              f"{space_left(cfg.output_dir)} (its unfinished folder removed): {remedy}, "
+                              f"{space_left(cfg.output_dir)} (its unfinished folder removed): "
+                              f"{_save_failure_remedy(reports, cfg)}, "
                               f"then resume with --resume_from_checkpoint auto (`latest` still names the previous "
                               f"checkpoint, if any)") from failure
+
+
+def _save_failure_remedy(reports: list[Optional[tuple[str, bool]]], cfg: TrainConfig) -> str:
+    """What to do about a failed save, from every rank's (error, needs room) report, None where the rank's part was
+    written: room where any rank ran out of it (in the full format rank 0 alone writes the weights)."""
+    if any(report and report[1] for report in reports):
+        return f"make room ({_room_advice(cfg)})"
+    return "fix what it names (the folder's permissions, a file system mounted read-only)"
 
 
 def _room_advice(cfg: TrainConfig) -> str:

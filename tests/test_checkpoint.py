@@ -33,9 +33,9 @@ from tokenizers import normalizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
 
 
-from fsdp_recipes.checkpoint import (CheckpointError, apply_retention, latest_checkpoint, load_checkpoint,
-                                     point_latest_at, resolve_state_dict_type, save_checkpoint, training_data_identity,
-                                     validate_checkpoint)
+from fsdp_recipes.checkpoint import (CheckpointError, _save_failure_remedy, apply_retention, latest_checkpoint,
+                                     load_checkpoint, point_latest_at, resolve_state_dict_type, save_checkpoint,
+                                     training_data_identity, validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
@@ -293,6 +293,10 @@ def test_a_save_the_file_system_refuses_says_to_fix_that_not_to_make_room(tiny, 
         f"system of {tmp_path} \\(its unfinished folder removed\\): fix what it names \\(the folder's permissions, a "
         f"file system mounted read-only\\), then resume with --resume_from_checkpoint auto \\(`latest` still names "
         f"the previous checkpoint, if any\\)", str(error.value)), str(error.value)
+    # With several ranks: one out of room asks for room, beside a rank that wrote its part or was refused.
+    for reports in ([("RuntimeError: unexpected pos 64 vs 0", True), None],
+                    [("PermissionError: [Errno 13] Permission denied", False), ("OSError: [Errno 28]", True)]):
+        assert _save_failure_remedy(reports, cfg).startswith("make room (")
 
 
 def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
