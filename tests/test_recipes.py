@@ -34,7 +34,7 @@ from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.data import IGNORE_INDEX, collate, model_inputs
 from fsdp_recipes.data_sources import load_split
 from fsdp_recipes.export import tied_parameter_names
-from fsdp_recipes import families
+from fsdp_recipes import families, new_recipe as new_recipe_module
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.model import load_model, load_sharded_model, load_tokenizer, model_config_overrides
 from fsdp_recipes.new_recipe import OWN_END, OWN_START, is_recipe, new_recipe, split_recipe, sync_recipes
@@ -948,7 +948,7 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
                                 "with its YAML config")
 
 
-def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path):
+def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path, monkeypatch):
     """A MODEL that is a path ('../olmo2') would write outside the recipes folder; a model type beside --sync would be
     left undone without a word. Each is refused, and nothing is written."""
     recipes = tmp_path / "recipes"
@@ -960,6 +960,13 @@ def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_t
     proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "olmo2", "--sync", "--recipes_dir", recipes],
                expect_rc=2)
     assert proc.stderr.endswith("error: give a model_type, or --sync\n")
+    # A clone without llama_sft.py, the recipe a new one copies: one line, not a FileNotFoundError's traceback.
+    monkeypatch.setattr(new_recipe_module, "REFERENCE", str(tmp_path / "llama_sft.py"))
+    with pytest.raises(SystemExit) as error:
+        new_recipe("olmo2", str(recipes))
+    assert str(error.value) == (f"error: recipes/llama_sft.py, the recipe a new one copies, is not at {tmp_path}/"
+                                f"llama_sft.py: restore it in the clone, or reinstall the package from a clone that "
+                                f"has it")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["recipes"]
 
 
