@@ -964,6 +964,11 @@ def test_a_conversion_onto_a_full_disk_says_so_and_leaves_no_unfinished_folder(t
         f"file system of {tmp_path} \\(its unfinished folder removed\\): make room and convert again, or give an "
         f"output folder on another file system", str(error.value)), str(error.value)
     assert sorted(os.listdir(tmp_path)) == ["run"]
+    # A read error is not a write's: it stays as it is (a link in the checkpoint to a file that is gone).
+    os.symlink(tmp_path / "gone.txt", os.path.join(checkpoint, "notes.txt"))
+    with pytest.raises(FileNotFoundError, match="checkpoint-2/notes.txt"):
+        convert(checkpoint, str(tmp_path / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 def test_a_checkpoint_missing_a_model_file_is_refused_and_one_without_its_resume_parts_converts(
