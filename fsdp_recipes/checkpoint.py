@@ -186,8 +186,10 @@ def check_checkpoint_folder(path: str, resuming: bool = False, output_dir: Optio
     if not os.path.exists(path):  # a mistyped step, or one retention has removed: say which are there
         parent = os.path.dirname(os.path.abspath(path))
         held = ", ".join(f"checkpoint-{step}" for step in checkpoint_steps(parent))
-        # A relative path is read from the working directory, not from output_dir as `latest` is (checkpoint-6).
-        beside = os.path.join(output_dir, path) if output_dir and not os.path.isabs(path) else ""
+        # A relative path is read from the working directory, not from output_dir as `latest` is (checkpoint-6); an
+        # absolute one may name output_dir's checkpoint where it was before the folder was moved or renamed.
+        name = path if not os.path.isabs(path) else os.path.basename(os.path.normpath(path))
+        beside = os.path.join(output_dir, name) if output_dir else ""
         mean = f", such as {beside}" if beside and os.path.isdir(beside) else ""
         raise CheckpointError(f"{path} does not exist{looked_in(path)}{f' ({parent} holds {held})' if held else ''}: "
                               f"pass a checkpoint-<step> folder{mean}")

@@ -1278,6 +1278,17 @@ def test_a_relative_checkpoint_is_read_from_the_working_directory_and_the_error_
     assert str(error.value) == f"checkpoint-40 does not exist in {cwd}: pass a checkpoint-<step> folder"
 
 
+def test_a_checkpoint_named_where_a_moved_output_dir_was_points_to_its_new_place(tmp_path, one_process_group):
+    """`mv run1 run2`, then the old command line with the new output_dir: the error names run2's checkpoint of that
+    name, as it does for a relative path."""
+    fake_checkpoint(tmp_path / "run1" / "checkpoint-4")
+    os.rename(tmp_path / "run1", tmp_path / "run2")
+    with pytest.raises(CheckpointError) as error:
+        prepare_output_dir(config(tmp_path / "run2", "--resume_from_checkpoint", tmp_path / "run1" / "checkpoint-4"))
+    assert str(error.value) == (f"{tmp_path}/run1/checkpoint-4 does not exist: pass a checkpoint-<step> folder, such "
+                                f"as {tmp_path}/run2/checkpoint-4")
+
+
 def test_a_save_killed_while_replacing_its_step_leaves_a_whole_checkpoint_to_resume(tmp_path, one_process_group,
                                                                                    monkeypatch):
     # replace_dir moves checkpoint-6 to checkpoint-6.old, the new save into place, then removes the .old copy.
