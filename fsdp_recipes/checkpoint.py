@@ -548,8 +548,8 @@ def _room_advice(cfg: TrainConfig) -> str:
 
 
 def apply_retention(cfg: TrainConfig, saved_step: int) -> None:
-    """Keep the newest save_total_limit checkpoints, always including the one just saved (which `latest` names,
-    even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves.
+    """Keep the newest save_total_limit checkpoints of this run, always including the one just saved (which `latest`
+    names, even when a resume from an older checkpoint left newer ones behind); remove folders of killed saves.
 
     The new checkpoint is complete by now: a folder that cannot be removed (on a network file system, while a file
     in it is still open elsewhere) is a warning, not a failed save. Each save tries again."""
@@ -557,7 +557,11 @@ def apply_retention(cfg: TrainConfig, saved_step: int) -> None:
         if SAVE_RE.match(name) and not _CHECKPOINT_RE.match(name):
             shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
     if cfg.save_total_limit:
-        others = [step for step in checkpoint_steps(cfg.output_dir) if step != saved_step]
+        steps = checkpoint_steps(cfg.output_dir)
+        # A run saves ever higher steps, so a checkpoint of a later step than this save's predates this run: the
+        # branch that a return to an earlier checkpoint left (or a killed save's, which this run trains again). It
+        # goes first, so that the checkpoint resumed from is not removed while that branch's is kept.
+        others = [step for step in steps if step > saved_step] + [step for step in steps if step < saved_step]
         for step in others[: max(0, len(others) - (cfg.save_total_limit - 1))]:
             path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
             try:

@@ -533,6 +533,17 @@ def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
 
 
+def test_retention_removes_the_branch_a_return_to_an_earlier_checkpoint_left_before_this_runs_own(tmp_path):
+    # Resumed from checkpoint-2 of a run that had reached checkpoint-6: this run's checkpoint-2 and -3 are its newest
+    # two, not checkpoint-3 and the left branch's checkpoint-6.
+    for name in ["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-6"]:
+        (tmp_path / name).mkdir()
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_steps", "1", "--save_total_limit", "2"])
+    apply_retention(cfg, saved_step=3)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3"]
+
+
 def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
     # Steps by number: as text, checkpoint-10 sorts before checkpoint-8 and would go while the older one stays.
     for step in [8, 10, 12]:
