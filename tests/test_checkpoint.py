@@ -235,6 +235,27 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2.tmp"]  # no `latest` names it
 
 
+def save_failing_at_the_rng_file(cfg, monkeypatch, error: Exception) -> str:
+    """The error of a save whose write of rank 0's RNG file raises `error` (DCP's own writes go through torch.save
+    too), with nothing else left in output_dir."""
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    save = torch.save
+
+    def failing_at_the_rng_file(obj, file, *args, **kwargs):
+        if str(file).endswith("rank_0.pt"):
+            raise error
+        return save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_at_the_rng_file)
+    with pytest.raises(CheckpointError) as failed:
+        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    # No `latest` names it, and the unfinished save is gone: on a full disk it held the room the error asks for.
+    assert os.listdir(cfg.output_dir) == []
+    return str(failed.value)
+
+
 @pytest.mark.parametrize("limit, room", [
     ([], "or set --save_total_limit: every checkpoint is kept"),
     (["--save_total_limit", "3"], "or lower --save_total_limit 3: a save needs room for 4 checkpoints, as the oldest "
@@ -247,52 +268,28 @@ def test_a_full_disk_in_torch_save_is_a_failed_save_that_names_the_checkpoint(ti
     """torch.save reports a full disk as a RuntimeError ("unexpected pos"): it must become the same failed save as
     an OSError, which every rank learns of; escaping on one rank, it left the others waiting in the next gather."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, *limit)])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
-    save = torch.save
-
-    def disk_full_at_the_rng_file(obj, file, *args, **kwargs):
-        if str(file).endswith("rank_0.pt"):  # DCP's own writes go through torch.save too
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
-        return save(obj, file, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", disk_full_at_the_rng_file)
-    with pytest.raises(CheckpointError) as error:
-        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    message = save_failing_at_the_rng_file(
+        cfg, monkeypatch, RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"))
     assert re.fullmatch(
         f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: RuntimeError: \\[enforce fail at "
         f"inline_container.cc:664\\] . unexpected pos 64 vs 0\\), with [0-9.,]+ MiB free on the file system of "
         f"{tmp_path} \\(its unfinished folder removed\\): make room \\({re.escape(room)}\\), then resume with "
-        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)",
-        str(error.value)), str(error.value)
-    # No `latest` names it, and the unfinished save is gone: on a full disk it held the room the error asks for.
-    assert os.listdir(tmp_path) == []
+        f"--resume_from_checkpoint auto \\(`latest` still names the previous checkpoint, if any\\)", message), message
 
 
 def test_a_save_the_file_system_refuses_says_to_fix_that_not_to_make_room(tiny, tmp_path, one_process_group,
                                                                            monkeypatch):
     # Flaky permissions, a file system remounted read-only: the advice was to make room and change save_total_limit.
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
-    save = torch.save
-
-    def refused_at_the_rng_file(obj, file, *args, **kwargs):
-        if str(file).endswith("rank_0.pt"):
-            raise PermissionError(errno.EACCES, "Permission denied", str(file))
-        return save(obj, file, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", refused_at_the_rng_file)
-    with pytest.raises(CheckpointError) as error:
-        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    rng_file = f"{tmp_path}/checkpoint-2.tmp/rng/rank_0.pt"
+    message = save_failing_at_the_rng_file(cfg, monkeypatch, PermissionError(errno.EACCES, "Permission denied",
+                                                                             rng_file))
     assert re.fullmatch(
         f"writing the checkpoint {tmp_path}/checkpoint-2.tmp failed \\(rank 0: PermissionError: \\[Errno 13\\] "
-        f"Permission denied: '{tmp_path}/checkpoint-2.tmp/rng/rank_0.pt'\\), with [0-9.,]+ MiB free on the file "
-        f"system of {tmp_path} \\(its unfinished folder removed\\): fix what it names \\(the folder's permissions, a "
-        f"file system mounted read-only\\), then resume with --resume_from_checkpoint auto \\(`latest` still names "
-        f"the previous checkpoint, if any\\)", str(error.value)), str(error.value)
+        f"Permission denied: '{rng_file}'\\), with [0-9.,]+ MiB free on the file system of {tmp_path} \\(its "
+        f"unfinished folder removed\\): fix what it names \\(the folder's permissions, a file system mounted "
+        f"read-only\\), then resume with --resume_from_checkpoint auto \\(`latest` still names the previous "
+        f"checkpoint, if any\\)", message), message
     # With several ranks: one out of room asks for room, beside a rank that wrote its part or was refused.
     for reports in ([("RuntimeError: unexpected pos 64 vs 0", True), None],
                     [("PermissionError: [Errno 13] Permission denied", False), ("OSError: [Errno 28]", True)]):
@@ -523,25 +520,20 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     assert events[renamed + 1:] == [("fsync", str(tmp_path))]
 
 
-def test_retention_keeps_the_checkpoint_just_saved(tmp_path):
+@pytest.mark.parametrize("held, saved_step, limit, kept", [
     # A resume from checkpoint-2 left checkpoint-6 of the earlier run behind; the new checkpoint-4 is `latest`.
-    for name in ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"]:
-        (tmp_path / name).mkdir()
-    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_steps", "2", "--save_total_limit", "1"])
-    apply_retention(cfg, saved_step=4)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-4"]
-
-
-def test_retention_removes_the_branch_a_return_to_an_earlier_checkpoint_left_before_this_runs_own(tmp_path):
+    (["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8.tmp"], 4, 1, ["checkpoint-4"]),
     # Resumed from checkpoint-2 of a run that had reached checkpoint-6: this run's checkpoint-2 and -3 are its newest
     # two, not checkpoint-3 and the left branch's checkpoint-6.
-    for name in ["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-6"]:
+    (["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-6"], 3, 2, ["checkpoint-2", "checkpoint-3"]),
+], ids=["keeps_the_checkpoint_just_saved", "removes_the_left_branch_before_this_runs_own"])
+def test_retention_after_a_return_to_an_earlier_checkpoint(tmp_path, held, saved_step, limit, kept):
+    for name in held:
         (tmp_path / name).mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_steps", "1", "--save_total_limit", "2"])
-    apply_retention(cfg, saved_step=3)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3"]
+                        "--save_steps", "1", "--save_total_limit", str(limit)])
+    apply_retention(cfg, saved_step=saved_step)
+    assert sorted(os.listdir(tmp_path)) == kept
 
 
 def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
