@@ -146,7 +146,7 @@ def worker(args) -> None:
             optimizer = build_optimizer(model, cfg)
 
             def train_step(micro_batches):
-                # The body of trainer.train()'s loop, without logging.
+                # The body of trainer.train_steps()'s loop, without logging.
                 label_tokens, *_ = step_token_counts(micro_batches)
                 forward_backward(model, micro_batches, label_tokens, env.world_size, env.device,
                                  sync_every_micro_batch=not fewer_collectives)

@@ -199,7 +199,7 @@ def write_model_files(model: PreTrainedModel, tokenizer, out_dir: str, dtype: to
     """config.json (recording `dtype`), generation_config.json, the tokenizer files, and the model's own code when it
     came with the checkpoint (trust_remote_code)."""
     unwrapped = model.module if isinstance(model, FSDP) else model
-    # The model holds fp32 master weights; the folder records the dtype its files hold.
+    # The folder records the dtype its files hold, not that of the master weights (fp32, or bf16 with pure_bf16).
     config = copy.deepcopy(model.config)
     set_config_dtype(config, dtype)
     # The class trained, as save_pretrained records it (vLLM picks its model class by this name); FSDP2 subclasses it.
