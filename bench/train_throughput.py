@@ -180,7 +180,7 @@ def worker(args) -> None:
     exit_process(0)
 
 
-def run_variant(name: str, args, passthrough: list[str]) -> dict:
+def run_variant(name: str, passthrough: list[str]) -> dict:
     processes = VARIANTS[name][0]
     threads = TOTAL_THREADS // processes
     script = [os.path.abspath(__file__), "--worker", name, *passthrough]
@@ -298,7 +298,7 @@ def main() -> None:
     for round_ in range(args.repeats):
         # One round runs every variant once: a ratio compares two runs close in time, on a machine whose speed drifts.
         for name in names:
-            runs[name].append(run_variant(name, args, passthrough))
+            runs[name].append(run_variant(name, passthrough))
             print(f"  round {round_ + 1}, {name}: {runs[name][-1]['real_tokens_per_second']:.0f} real tokens/s",
                   flush=True)
     results = [summarize(name, runs) for name in names]
