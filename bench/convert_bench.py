@@ -2,7 +2,7 @@
 
     python bench/convert_bench.py --work_dir /tmp/convert_bench [--hidden_size 1024 --num_layers 16] [--num_experts 16]
 
-The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: a 1.08 GB fp32 checkpoint.
+The default Llama (1024 hidden, 16 layers, 32k vocabulary, untied) has 270M parameters: 1.08 GB of fp32 weights.
 With --num_experts, a Qwen3-MoE of those sizes instead (experts of intermediate size 2 x hidden), whose fused
 expert tensors the converter writes as per-expert matrices.
 It is written once with the project's own save_checkpoint (one process, sharded format), then each converter
@@ -45,7 +45,7 @@ def make_checkpoint(work_dir: str, hidden_size: int, num_layers: int, vocab_size
     with distributed():  # a one-process group in memory
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
-        optimizer = build_optimizer(model, cfg)  # no step taken: the optimizer folder stays small
+        optimizer = build_optimizer(model, cfg)  # no step taken: the save still fills Adam's moments, 2x the model
         scheduler = get_scheduler("constant", optimizer)
         path = save_checkpoint(cfg, model, optimizer, scheduler, tokenizer, step=1, epoch=0, wandb_run=None)
         sizes = [p.numel() * p.element_size() for p in model.parameters()]
