@@ -45,8 +45,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_example(rng: random.Random, min_len: int = 4, max_len: int = 8) -> dict:
-    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len)))
+def make_example(rng: random.Random) -> dict:
+    word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(4, 8)))
     return {"messages": [{"role": "user", "content": f"reverse: {word}"}, {"role": "assistant", "content": word[::-1]}]}
 
 
@@ -79,12 +79,12 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def prepare(out_dir: str, n_train: int = 4000, n_eval: int = 200, seed: int = 0, dtype: str = "bfloat16") -> None:
+def prepare(out_dir: str, n_train: int = 4000, n_eval: int = 200, seed: int = 0) -> None:
     """Write <out_dir>/base_model (tokenizer + random tiny Llama), train.jsonl and eval.jsonl."""
     os.makedirs(out_dir, exist_ok=True)
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(tokenizer)).to(getattr(torch, dtype))
+    model = LlamaForCausalLM(tiny_llama_config(tokenizer)).to(torch.bfloat16)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(os.path.join(out_dir, "base_model"))
     tokenizer.save_pretrained(os.path.join(out_dir, "base_model"))
