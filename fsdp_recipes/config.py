@@ -557,10 +557,10 @@ def _recipe_parser(config_class: type[TrainConfig]) -> HfArgumentParser:
     return parser
 
 
-def read_yaml_config(path: str, config_class: type[TrainConfig] = TrainConfig) -> dict:
+def read_yaml_config(path: str) -> dict:
     """The keys a recipe YAML sets, converted and checked as parse_config reads them."""
-    values = _read_yaml(path, _recipe_parser(config_class), config_class)
-    hints = typing.get_type_hints(config_class)
+    values = _read_yaml(path, _recipe_parser(TrainConfig), TrainConfig)
+    hints = typing.get_type_hints(TrainConfig)
     for key, value in values.items():
         _check_type(key, value, hints[key])
     return values
