@@ -36,7 +36,7 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(timeout_minutes: int = 30) -> DistEnv:
+def init_distributed() -> DistEnv:
     check_started_by_a_launcher()
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -55,7 +55,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         backend = "gloo"
         if rank == 0:
             warn_if_gpus_are_missing(use_cpu)
-    timeout = timedelta(minutes=timeout_minutes)
+    timeout = timedelta(minutes=30)  # for training collectives; long_wait_group's for waits of varying length
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
@@ -99,13 +99,13 @@ def check_started_by_a_launcher() -> None:
 
 
 @contextlib.contextmanager
-def distributed(timeout_minutes: int = 30):
+def distributed():
     """Yield a DistEnv; when the work succeeds, every rank leaves together and the process groups are destroyed.
 
     Without the final barrier and destroy, a gloo rank can abort at interpreter exit ("terminate called without an
     active exception") after all the work is done, and the launcher reports the whole run as failed.
     """
-    env = init_distributed(timeout_minutes)
+    env = init_distributed()
     # Only on success: after an error another rank may be stuck in a collective, and destroying an NCCL group then
     # can block before the error is printed (cli.run_main prints it and ends the process).
     yield env
