@@ -60,12 +60,12 @@ def main():
         set_seed(cfg.seed)
         configure_progress_bars(env.is_main)
 
-        # Tokenizer and data: rank 0 tokenizes first, the other ranks reuse its cache.
+        # Tokenizer and data: rank 0 tokenizes first; the others read its cache (or, per node, fill their own).
         tokenizer = load_tokenizer(cfg)
         train_dataset, eval_dataset = build_datasets(cfg, tokenizer)
         check_run_length(cfg, train_dataset, env.world_size)  # a schedule that cannot work fails before the model loads
 
-        # Model: master weights (fp32 unless pure bf16) sharded by decoder layer, then the root.
+        # Model: master weights (fp32 unless pure bf16) sharded by decoder layer (or by size), then the root.
         model = load_sharded_model(cfg, plan, env.device)
         plan_text = describe_plan(model, plan)
         print_rank0("sharding plan:\n" + plan_text)
