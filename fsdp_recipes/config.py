@@ -646,6 +646,9 @@ FEATURE_KEYS = {
                                   {"generation_prompts"}, "generation_prompts is unset", "set generation_prompts"),
     "generation_use_chat_template": ("applies to sample generation", lambda c: bool(c.generation_prompts),
                                      {"generation_prompts"}, "generation_prompts is unset", "set generation_prompts"),
+    # TrainingArguments ignores it beside max_steps; a user who sets both expects one of them to count.
+    "num_train_epochs": ("sets the run's length in epochs", lambda c: c.max_steps == -1, {"max_steps"},
+                         "max_steps sets it", "set max_steps -1 to count the run in epochs"),
     "run_name": ("names the W&B run", lambda c: c.report_to == "wandb", {"report_to"}, "report_to is none",
                  "pass --report_to wandb"),
     "wandb_project": ("names the W&B project", lambda c: c.report_to == "wandb", {"report_to"}, "report_to is none",

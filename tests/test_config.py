@@ -219,6 +219,9 @@ def test_unknown_cli_flag_is_named():
          "generation_prompts, or leave generation_max_new_tokens unset"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--generation-use-chat-template=false"],
          "generation_use_chat_template applies to sample generation, and generation_prompts is unset"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "10", "--num_train_epochs", "3"],
+         r"^num_train_epochs sets the run's length in epochs, and max_steps sets it: set max_steps -1 to count the "
+         r"run in epochs, or leave num_train_epochs unset$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_sync", "last_micro_batch"],
          "gradient_sync last_micro_batch skips the reduction of all but the last micro-batch of a step, and "
          "gradient_accumulation_steps 1 has one: set gradient_accumulation_steps above 1, or gradient_sync "
@@ -367,6 +370,14 @@ def test_a_key_whose_feature_is_off_is_refused_unless_the_command_line_turns_the
     with pytest.raises(ConfigError, match="^wandb_project names the W&B project, and report_to is none"):
         parse_config(["--config", off])
     assert parse_config(["--config", off, "--report_to", "wandb"]).wandb_project == "p"
+    # The recipes' YAMLs count the run in epochs: a command line's max_steps (a smoke test) takes over; a YAML that
+    # sets both would train max_steps whatever its epochs say.
+    epochs = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nnum_train_epochs: 3\n")
+    assert parse_config(["--config", epochs, "--max_steps", "5"]).max_steps == 5
+    both = write_yaml(tmp_path, "model_name_or_path: m\ndataset_name: d\nnum_train_epochs: 3\nmax_steps: 5\n")
+    with pytest.raises(ConfigError, match="^num_train_epochs sets the run's length in epochs, and max_steps sets it"):
+        parse_config(["--config", both])
+    assert parse_config(["--config", both, "--max_steps", "-1"]).num_train_epochs == 3
 
 
 def test_yaml_values_of_the_right_type_pass(tmp_path):
