@@ -3,10 +3,11 @@
     python -m fsdp_recipes.estimate --model <hub id, local folder or config.json> --num_gpus 8 [--num_nodes 1]
         [--offload] [--activation_checkpointing] [--seq_len 2048] [--batch 4] [--gpu_memory 80]
         [--attn_implementation sdpa|flash_attention_2|flex_attention|eager] [--trust_remote_code]
+        [--fsdp_transformer_layer_cls_to_wrap <classes>]
     python -m fsdp_recipes.estimate --config recipes/configs/<recipe>.yaml --num_gpus 8 [any flag above]
 
 With --config, the run that recipe YAML describes is estimated: its model, micro-batch, sequence length, precision,
-attention, activation checkpointing and offload (the recipe's defaults where the YAML leaves a key out, as the
+attention, activation checkpointing, offload and layer classes (the recipe's defaults where the YAML leaves a key out, as the
 run would take them); a flag given besides overrides the YAML.
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
@@ -140,9 +141,11 @@ def sharded_numel(params: list[nn.Parameter], shard_size: int) -> int:
                for p in params)
 
 
-def fsdp_groups(model: nn.Module) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
-    """The parameters of each decoder layer (one FSDP2 unit each), and those left to the root unit."""
-    layer_classes = find_layer_classes(model, None)
+def fsdp_groups(model: nn.Module, layer_names: list[str] | None = None
+                ) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """The parameters of each decoder layer (one FSDP2 unit each), and those left to the root unit. `layer_names`:
+    fsdp_transformer_layer_cls_to_wrap's classes (None: the model's own, as the recipe finds them)."""
+    layer_classes = find_layer_classes(model, layer_names)
     layers = [list(m.parameters()) for m in model.modules() if isinstance(m, layer_classes)]
     in_layers = {id(p) for layer in layers for p in layer}
     return layers, [p for p in model.parameters() if id(p) not in in_layers]
@@ -222,7 +225,8 @@ def _static_rotary_embeddings(model: nn.Module) -> None:
 
 
 def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: int, seq_len: int,
-                        attn_implementation: str, trust_remote_code: bool = False) -> SavedActivations:
+                        attn_implementation: str, trust_remote_code: bool = False,
+                        layer_names: list[str] | None = None) -> SavedActivations:
     """Run the model's own forward on the meta device (shapes only: no memory, no compute) for one micro-batch,
     and count the bytes of the distinct tensors autograd saves inside each decoder layer, parameters excluded.
     Whatever the architecture does (extra norms, soft-capping, routing to experts) is counted as it runs; for sdpa,
@@ -240,7 +244,7 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
         raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
-    packed, full = (_saved_per_layer(model, batch, seq_len, layout) for layout in ("packed", "full"))
+    packed, full = (_saved_per_layer(model, batch, seq_len, layout, layer_names) for layout in ("packed", "full"))
     return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
                             max(packed.layer_input, full.layer_input), packed.trained | full.trained)
 
@@ -261,12 +265,13 @@ def _used_parameters(model: nn.Module, output: torch.Tensor) -> frozenset[str]:
     return frozenset(used)
 
 
-def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) -> SavedActivations:
+def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, layer_names: list[str] | None
+                     ) -> SavedActivations:
     """What one batch of the layout ("packed" or "full") leaves for backward in each decoder layer."""
     packed = layout == "packed"
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))]
+    layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, layer_names))]
     saves: list[tuple[weakref.ref, int]] = []  # each tensor saved while a decoder layer ran, and that layer
     inputs: list[int] = []
     running: list[int] = []  # the index of the decoder layer whose forward is running
@@ -322,7 +327,7 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str) ->
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
-             saved: SavedActivations) -> Estimate:
+             saved: SavedActivations, layer_names: list[str] | None = None) -> Estimate:
     master = MASTER_DTYPE[mixed_precision].itemsize
     compute = COMPUTE_DTYPE[mixed_precision].itemsize
     shard_size = num_gpus // num_nodes if setting.strategy == "HSDP" else num_gpus
@@ -333,7 +338,7 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     trained = [p for p in model.parameters() if id(p) in trained_ids]
     state = sharded_numel(trained, shard_size) * master
 
-    layers, root = fsdp_groups(model)
+    layers, root = fsdp_groups(model, layer_names)
     layers = [layer for layer in layers if any(id(p) in trained_ids for p in layer)]
 
     def gathered_numel(group: list[nn.Parameter]) -> int:  # all-gather output: padded shards x shard_size
@@ -381,7 +386,7 @@ def fits(est: Estimate, gpu_memory_gib: float) -> bool:
 
 def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     for setting in candidate_settings(args.num_nodes):
-        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, saved)
+        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, saved, args.layer_names)
         if fits(est, args.gpu_memory):
             # Offload moves the sharded state to host memory, which must then hold it for every GPU of the node.
             host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
@@ -390,12 +395,14 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
             # YAML reads a bare no as false.
             precision = '"no"' if args.mixed_precision == "no" else args.mixed_precision
             run_keys = (f"mixed_precision: {precision}, per_device_train_batch_size: {args.batch}, "
-                        f"max_seq_length: {args.seq_len}, attn_implementation: {args.attn_implementation}")
+                        f"max_seq_length: {args.seq_len}, attn_implementation: {args.attn_implementation}"
+                        + (f", fsdp_transformer_layer_cls_to_wrap: {','.join(args.layer_names)}"
+                           if args.layer_names else ""))
             return (f"recommended: {setting.describe()}: {est.gpu_total / GIB:.1f} of {args.gpu_memory:g} GiB per "
                     f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)}, {run_keys})")
     # With checkpointing and offload (the last candidate), the GPU holds only what does not shrink with more GPUs.
     est = estimate(model, Setting("FULL_SHARD", True, True), args.num_gpus, args.num_nodes, args.mixed_precision,
-                   saved)
+                   saved, args.layer_names)
     return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: even with activation "
             f"checkpointing and CPU offload, a GPU holds {est.gpu_total / GIB:.1f} GiB, more than the "
             f"{USABLE_SHARE * args.gpu_memory:.1f} usable ({USABLE_SHARE:.0%}), that more GPUs do not shrink "
@@ -406,8 +413,8 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
 
 def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     setting_of = {s: Setting(s, args.activation_checkpointing, args.offload) for s in STRATEGIES}
-    ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, saved)
-            for s in STRATEGIES}
+    ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, saved,
+                        args.layer_names) for s in STRATEGIES}
     total = sum(p.numel() for p in model.parameters())
     per_node = args.num_gpus // args.num_nodes
     precision = {"bf16": "bf16 compute, fp32 master weights, gradients and Adam states",
@@ -451,11 +458,15 @@ def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActiva
 RECIPE_KEYS = {"model_name_or_path": "model", "max_seq_length": "seq_len", "per_device_train_batch_size": "batch",
                "mixed_precision": "mixed_precision", "attn_implementation": "attn_implementation",
                "trust_remote_code": "trust_remote_code", "fsdp_offload_params": "offload",
-               "fsdp_activation_checkpointing": "activation_checkpointing"}
+               "fsdp_activation_checkpointing": "activation_checkpointing",
+               "fsdp_transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap"}
 # Settings a recipe YAML can hold that the estimate does not model, with what it estimates instead.
 NOT_MODELLED = {"fsdp_version": (lambda v: v == 1, "FSDP2"),
                 "fsdp_auto_wrap_policy": (lambda v: v == "SIZE_BASED_WRAP", "one unit per decoder layer"),
-                "gradient_sync": (lambda v: v == "last_micro_batch", "gradient_sync every_micro_batch")}
+                "gradient_sync": (lambda v: v == "last_micro_batch", "gradient_sync every_micro_batch"),
+                # The layers run eagerly on the meta device: what a compiled layer saves for backward is not measured.
+                "torch_compile": (lambda v: v, "layers run without torch.compile, which often saves less for "
+                                               "backward")}
 
 
 def recipe_defaults(path: str) -> tuple[dict, list[str]]:
@@ -464,8 +475,9 @@ def recipe_defaults(path: str) -> tuple[dict, list[str]]:
     values = read_yaml_config(path)
     run = {f.name: values.get(f.name, f.default) for f in dataclasses.fields(TrainConfig)}
     defaults = {flag: run[key] for key, flag in RECIPE_KEYS.items() if run[key] is not None}
-    notes = [f"note: {path} sets {key}: {run[key]}, which the estimate does not model: the figures are for {instead}"
-             for key, (differs, instead) in NOT_MODELLED.items() if differs(run[key])]
+    spelled = {key: str(value).lower() if isinstance(value, bool) else value for key, value in run.items()}  # as YAML
+    notes = [f"note: {path} sets {key}: {spelled[key]}, which the estimate does not model: the figures are for "
+             f"{instead}" for key, (differs, instead) in NOT_MODELLED.items() if differs(run[key])]
     return defaults, notes
 
 
@@ -494,6 +506,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="as the recipe key; eager keeps the L x L scores")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="run the model code the checkpoint ships (as the recipe key)")
+    parser.add_argument("--fsdp_transformer_layer_cls_to_wrap",
+                        help="comma-separated decoder layer classes, the FSDP units (as the recipe key; default: the "
+                             "model's _no_split_modules, else its decoder layers)")
     config_path = parser.parse_known_args(argv)[0].config
     notes = []
     if config_path:
@@ -501,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     args.notes = notes
+    layers = args.fsdp_transformer_layer_cls_to_wrap
+    args.layer_names = [name.strip() for name in layers.split(",")] if layers else None
     given = {arg[2:].partition("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
     # Where a value came from, for its errors: the flag, or the YAML's key.
     args.label = {flag: f"--{flag}" if flag in given or not config_path else f"{key} (from {config_path})"
@@ -538,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     check_sequence_length(model, args.seq_len, args.label["seq_len"])
     check_no_weight_kept_in_fp32(model, args.mixed_precision)
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
-                                args.trust_remote_code)
+                                args.trust_remote_code, args.layer_names)
     print("\n".join([*args.notes, format_report(model, args, saved)]))
 
 

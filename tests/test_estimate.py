@@ -738,6 +738,35 @@ def test_a_recipe_config_is_estimated_as_the_run_it_describes(tmp_path, capsys):
         f"gradient_sync every_micro_batch\nmodel: LlamaForCausalLM, ")
 
 
+def test_a_recipe_configs_layer_classes_are_the_units_estimated(tmp_path, capsys):
+    """fsdp_transformer_layer_cls_to_wrap, from the YAML or as a flag, chooses the units the estimate gathers and
+    measures, and is given back in the recommendation; torch_compile, not modelled, is named."""
+    model = write_config(tmp_path / "llama.json", LlamaConfig(**SMALL).to_dict())
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(f"model_name_or_path: {model}\nfsdp_transformer_layer_cls_to_wrap: LlamaMLP\ntorch_compile: true\n")
+    outputs = []
+    for argv in (["--config", str(yaml)], ["--model", str(model), "--seq_len", "1024", "--batch", "1",
+                                           "--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP"],
+                 ["--model", str(model), "--seq_len", "1024", "--batch", "1"]):
+        main([*argv, "--num_gpus", "2"])
+        outputs.append(capsys.readouterr().out)
+    from_config, from_flag, decoder_layers = outputs
+    assert from_config == (f"note: {yaml} sets torch_compile: true, which the estimate does not model: the figures "
+                           f"are for layers run without torch.compile, which often saves less for backward\n"
+                           + from_flag)
+    assert from_flag != decoder_layers
+    assert "attn_implementation: sdpa, fsdp_transformer_layer_cls_to_wrap: LlamaMLP)" in from_flag
+    assert "fsdp_transformer_layer_cls_to_wrap" not in decoder_layers
+    # Each MLP is a unit: 3 x 64 x 96 weights; the attention and norms join the embeddings in the root.
+    meta = build_meta_model(LlamaConfig(**SMALL), torch.float32)
+    layers, root = fsdp_groups(meta, ["LlamaMLP"])
+    assert [sum(p.numel() for p in layer) for layer in layers] == [3 * 64 * 96] * 2
+    assert sum(p.numel() for p in root) == sum(p.numel() for p in meta.parameters()) - 2 * 3 * 64 * 96
+    with pytest.raises(ConfigError, match="^fsdp_transformer_layer_cls_to_wrap names Nope, which is not a module "
+                                          "class of LlamaForCausalLM"):
+        main(["--model", str(model), "--num_gpus", "2", "--fsdp_transformer_layer_cls_to_wrap", "Nope"])
+
+
 def test_a_recipe_configs_values_are_named_in_their_errors(tmp_path):
     yaml = tmp_path / "run.yaml"
     yaml.write_text(f"model_name_or_path: {tmp_path / 'absent'}\n")
