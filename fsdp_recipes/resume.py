@@ -132,6 +132,11 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
                  if final in folders else f"{final} does not exist")
         print_rank0(f"resume: {path} is at the run's last step ({total_steps}) and {found}: the run is finished from "
                     f"it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
+    elif not cfg.save_steps:
+        # `latest` keeps naming the checkpoint: a later auto cannot tell that this run went on from it, or ended.
+        print_rank0(f"resume: this run saves no checkpoint (save_steps 0), so resuming it again, also with auto after "
+                    f"it ends, starts from {path} (step {state['step']}) and trains its steps again: set save_steps to "
+                    f"keep its progress")
     return path
 
 

@@ -1888,7 +1888,7 @@ def test_a_checkpoint_from_before_the_master_dtype_record_is_compared_by_its_ada
         resolve_resume(cfg, model.to(torch.bfloat16), tokenizer, data)
 
 
-def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group, tmp_path):
+def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group, tmp_path, capsys):
     checkpoint = reference / "checkpoint-6"
     cfg, model, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
                                                 "--gradient_accumulation_steps", "4")
@@ -1907,6 +1907,12 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
             f"{checkpoint} <out_dir>`")
     extended = dataclasses.replace(cfg, max_steps=-1, num_train_epochs=0.5)
     assert resolve_resume(extended, model, tokenizer, data) == str(checkpoint)
+    # A resume that saves no checkpoint leaves `latest` where it was: a later auto would repeat its steps.
+    assert "save_steps 0" not in capsys.readouterr().out
+    assert resolve_resume(dataclasses.replace(extended, save_steps=0), model, tokenizer, data) == str(checkpoint)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"resume: this run saves no checkpoint (save_steps 0), so resuming it again, also with auto after it ends, "
+        f"starts from {checkpoint} (step 6) and trains its steps again: set save_steps to keep its progress")
     # Step 4 of the 6-step run, with no final/ anywhere, is not the end of a run shortened to 4 steps.
     shutil.copytree(reference / "checkpoint-4", tmp_path / "copy" / "checkpoint-4")
     shortened = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-4"),
