@@ -258,6 +258,8 @@ def read_chunk_into(tensor: torch.Tensor, first_row: int, chunk, info, model_dir
         if not row_bytes or record.file_size != count * row_bytes:
             return False
         first, end = max(start, first_row), min(start + count, first_row + len(rows))  # the rows read
+        if end <= first:  # FSDP2 gives the ranks past a tensor's last row an empty shard: nothing to read
+            return True
         # The record's data follows its 30-byte local header, file name and extra field.
         f.seek(info.offset + record.header_offset)
         header = f.read(30)

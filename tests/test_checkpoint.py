@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import random
 import re
 import shlex
@@ -27,7 +28,9 @@ import pytest
 import torch
 from packaging.version import Version
 from safetensors.torch import load_file
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
@@ -883,6 +886,24 @@ def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_p
         expected.tie_weights()
         with torch.no_grad():
             assert torch.equal(converted(inputs).logits, expected(inputs).logits)
+
+
+def test_converter_reads_a_tensor_with_fewer_rows_than_ranks(tmp_path):
+    """FSDP2 shards a 1-row tensor (Qwen2-MoE's shared_expert_gate) over 2 ranks as rows [0, 1) and an empty [1, 1),
+    which rank 1 writes as an empty tensor: the converter failed on that shard ("memoryview: cannot cast view with
+    zeros in shape or strides"), for every such checkpoint."""
+    gate = torch.randn(1, 64)
+    model_dir = tmp_path / "checkpoint" / "model"
+    dcp.save({"gate": gate, "rank1_shard": gate[1:]}, checkpoint_id=model_dir, no_dist=True)
+    # The metadata FSDP2's save writes: the empty tensor is the gate's second chunk.
+    metadata = pickle.loads((model_dir / ".metadata").read_bytes())
+    [(index, info)] = [(i, v) for i, v in metadata.storage_data.items() if i.fqn == "rank1_shard"]
+    del metadata.state_dict_metadata["rank1_shard"], metadata.storage_data[index]
+    metadata.state_dict_metadata["gate"].chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([0, 64])))
+    metadata.storage_data[MetadataIndex("gate", torch.Size([1, 0]), 1)] = info
+    (model_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    _, _, load_tensor, load_row = convert_module.sharded_checkpoint_tensors(str(tmp_path / "checkpoint"))
+    assert torch.equal(load_tensor("gate"), gate) and torch.equal(load_row("gate", 0), gate)
 
 
 def test_converter_refuses_an_empty_mount_point_before_writing(reference, tmp_path):
