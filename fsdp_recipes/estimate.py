@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 from torch import nn
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
-                          PretrainedConfig)
+                          PretrainedConfig, PreTrainedModel)
 from transformers import masking_utils
 from transformers.masking_utils import flash_attention_mask
 
@@ -303,10 +303,12 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     try:
         # Without a KV cache, as in training (a cache would copy k and v: Phi-3's v would no longer keep its fused
         # qkv output alive). transformers then looks for the examples in the positions, values the meta device
-        # lacks: one example a row, with a packed batch's mask, or none found.
+        # lacks: one example a row, with a packed batch's mask, or none found. A model with a pad token (GPT-2) reads
+        # the input ids too, only to warn of padding without an attention mask: skipped.
         with (mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _fused_sdpa),
               mock.patch.object(masking_utils, "find_packed_sequence_indices",
                                 torch.zeros_like if packed else lambda position_ids: None),
+              mock.patch.object(PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda *args: None),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor)):
             logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     finally:

@@ -23,7 +23,7 @@ from fsdp_recipes.estimate import (COMPUTE_DTYPE, Setting, build_meta_model, est
                                    main, measure_activations, parse_args, recommend)
 from fsdp_recipes.families import check_model_type
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh, check_master_dtype
+from fsdp_recipes.sharding import MASTER_DTYPE, build_mesh, check_master_dtype, find_layer_classes
 from fsdp_recipes.trainer import token_loss_sum
 from test_accelerate_configs import launched_env, process_group_of
 from test_export import REMOTE_CONFIG, REMOTE_MODEL
@@ -177,7 +177,7 @@ def bytes_autograd_saves_per_layer(config, attn_implementation: str, batch: int,
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn_implementation)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers, running, saves = model.model.layers, [], []
+    layers, running, saves = [m for m in model.modules() if isinstance(m, find_layer_classes(model, None))], [], []
     for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda module, args, index=index: running.append(index))
         layer.register_forward_hook(lambda module, args, output: running.clear())
@@ -220,6 +220,18 @@ def test_activations_measured_on_the_meta_device_equal_what_autograd_saves(name)
     # A padded batch: without position_ids, one row's rotary tables serve every row (1.3% less here).
     assert all(0 <= measured - real <= 0.02 * real for measured, real in zip(saved.per_layer, padded))
     assert saved.tokens == 128 and saved.layer_input == 128 * 64 * 2  # bf16 hidden states
+
+
+def test_a_model_that_looks_for_padding_in_its_input_ids_is_measured():
+    # GPT-2 with a pad token looks for it in the input ids (to warn of padding without an attention mask), values the
+    # meta device lacks: the estimate stopped with "Tensor.item() cannot be called on meta tensors".
+    config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, pad_token_id=0, attn_pdrop=0.0,
+                        resid_pdrop=0.0, embd_pdrop=0.0)  # no dropout: the CPU's sdpa would keep the L x L scores
+    saved = measure_activations(config, "bf16", batch=2, seq_len=64, attn_implementation="sdpa")
+    real = map(max, *(bytes_autograd_saves_per_layer(config, "sdpa", 2, 64, layout) for layout in ("packed", "full")))
+    # Each layer's 2 LayerNorms keep their mean and 1/std per token in fp32 on a GPU (and the meta device), in bf16 on
+    # the CPU: 2 x 2 x 2 bytes per token more.
+    assert [measured - cpu for measured, cpu in zip(saved.per_layer, real)] == [2 * 2 * 2 * 128] * 2
 
 
 def test_a_config_without_kv_cache_is_measured_alike():
