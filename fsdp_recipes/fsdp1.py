@@ -19,8 +19,9 @@ from .plan import ShardingPlan
 
 def mixed_precision(plan: ShardingPlan) -> Optional[MixedPrecision]:
     if plan.mixed_precision == "bf16":
-        # fp32 reduce, as for FSDP2; buffers (e.g. rotary frequencies) keep their dtype.
-        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # fp32 reduce, as for FSDP2; buffers (e.g. rotary frequencies) keep their dtype. Each unit casts its inputs to
+        # bf16, as FSDP2's do: XGLM adds its fp32 positions buffer to the hidden states, which bf16 weights refuse.
+        return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
     return None
 
 

@@ -13,8 +13,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import XGLMConfig, XGLMForCausalLM
 
-from fsdp_recipes import fsdp1
+from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.model import load_model, load_sharded_model
 from fsdp_recipes.plan import resolve_plan
@@ -320,6 +321,26 @@ def test_rank0_loading_gives_the_model_from_pretrained_gives(tiny, fsdp_version,
     inputs = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(model(inputs).logits, load_model(cfg)(inputs).logits)
+
+
+def test_fsdp1_casts_each_layers_inputs_to_bf16_as_fsdp2_does(tmp_path, one_process_group):
+    """XGLM adds its sinusoidal positions, an fp32 buffer, to the bf16 embeddings: FSDP1's decoder layers got fp32
+    hidden states for their bf16 weights, and the run stopped at its first step ("mixed dtype (CPU): expect parameter
+    to have scalar type of Float"), where each FSDP2 unit casts its inputs to bf16."""
+    tokenizer = demo.build_tokenizer()
+    torch.manual_seed(0)
+    XGLMForCausalLM(XGLMConfig(vocab_size=len(tokenizer), d_model=64, ffn_dim=128, attention_heads=4,
+                               num_layers=2)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = torch.arange(1, 17).unsqueeze(0)
+    losses = []
+    for version in ("1", "2"):
+        cfg = parse_config(["--model_name_or_path", str(tmp_path), "--dataset_name", "x", "--fsdp_version", version,
+                            "--mixed_precision", "bf16", "--attn_implementation", "eager"])
+        loss = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
 
 
 def test_fsdp1_on_one_rank_refuses_bf16_last_micro_batch_sync_of_tied_weights(tiny, one_process_group, monkeypatch):
