@@ -32,7 +32,7 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
                               f"layers to train or shard; check its config.json")
         # A class may declare the layers of its other variants too (Gemma 3's vision tower in a text-only model).
         names = [n for n in getattr(model, "_no_split_modules", None) or [] if n in by_name]
-        return tuple(by_name[n] for n in names) if names else (find_decoder_layer_class(model),)
+        return outermost(model, tuple(by_name[n] for n in names)) if names else (find_decoder_layer_class(model),)
     if type(model).__name__ in names:
         # The root is always a unit of its own: as a layer class too, FSDP2 would shard it twice (torch's assertion
         # "can only be applied to a module once"), FSDP1 would make one unit of it and call it a layer.
@@ -47,6 +47,14 @@ def find_layer_classes(model: nn.Module, names: list[str] | None) -> tuple[type,
             f"{type(model).__name__}; its module classes are: {', '.join(sorted(by_name))}"
         )
     return tuple(by_name[n] for n in names)
+
+
+def outermost(model: nn.Module, classes: tuple[type, ...]) -> tuple[type, ...]:
+    """The classes of which some module lies inside no module of the others. Mamba declares its decoder layer and the
+    mixer inside it: as units of their own, the mixers would take a second gather per layer, be recomputed twice
+    with activation checkpointing, and be counted twice by the memory estimate."""
+    inner = {id(sub) for m in model.modules() if type(m) in classes for sub in m.modules() if sub is not m}
+    return tuple(c for c in classes if any(type(m) is c and id(m) not in inner for m in model.modules()))
 
 
 def find_decoder_layer_class(model: nn.Module) -> type:

@@ -9,10 +9,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import BackwardPrefetch, FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from transformers import MambaConfig, MambaForCausalLM
 
 from fsdp_recipes import demo, fsdp1
 from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
+from fsdp_recipes.estimate import fsdp_groups
 from fsdp_recipes.model import load_sharded_model
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
@@ -318,6 +320,23 @@ def test_size_based_units_take_layer_classes_for_checkpointing_and_compile(accel
     with process_group_of(2):
         printed = describe_plan(shard_model(tiny_model(), plan, torch.device("cpu")), plan)
     assert "  activation checkpointing: each LlamaMLP" in printed.splitlines()
+
+
+def test_a_declared_class_inside_another_is_no_unit_of_its_own(accelerate_env):
+    """Mamba's _no_split_modules names its decoder layer and the mixer inside it: both were units ("wrapped: 4 x
+    MambaBlock, MambaMixer" for 2 layers), a second gather per layer, the mixers recomputed twice with activation
+    checkpointing, and counted twice by the memory estimate."""
+    model = MambaForCausalLM(MambaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, state_size=8))
+    assert set(model._no_split_modules) == {"MambaBlock", "MambaMixer"}
+    layers, root = fsdp_groups(model)
+    assert sum(map(len, layers)) + len(root) == len(list(model.parameters()))  # each parameter in one unit
+    plan = plan_for("--fsdp_activation_checkpointing", "true", "--mixed_precision", "no")
+    with process_group_of(2):
+        model = shard_model(model, plan, torch.device("cpu"))
+        printed = describe_plan(model, plan).splitlines()
+    assert "  wrapped: 2 x MambaBlock, then the root" in printed
+    assert [type(m._checkpoint_wrapped_module).__name__ for m in model.modules()
+            if hasattr(m, "_checkpoint_wrapped_module")] == ["MambaBlock"] * 2
 
 
 def test_a_module_of_exactly_min_num_params_is_a_size_based_unit():
