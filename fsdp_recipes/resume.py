@@ -10,6 +10,7 @@ import os
 from typing import Optional
 
 import torch.distributed as dist
+import transformers
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -60,7 +61,8 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
         report_newer_checkpoints(cfg.output_dir, path, state["step"])
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
-    differ = model_config_differences(saved, model.config.to_dict())
+    current = model.config.to_dict()
+    differ = model_config_differences(saved, current, left_out=settings_unknown_here(path, saved, current))
     if differ:
         raise CheckpointError(f"{path} was saved from a different model config ({', '.join(differ[:5])})")
     # The router-loss settings as each run trained with them: unset in the recipe config means config.json's value
@@ -160,19 +162,50 @@ def export_of(final: str, checkpoint: str) -> bool:
     return os.path.getmtime(final) >= os.path.getmtime(os.path.join(checkpoint, STATE_NAME))
 
 
-def model_config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+def model_config_differences(saved: dict, current: dict, prefix: str = "", left_out: frozenset[str] = frozenset()
+                             ) -> list[str]:
     """'key: checkpoint <value>, model <value>' for each entry that differs, sub-configs (a multimodal model's
-    text_config) entry by entry, with the runtime entries left out at every level."""
+    text_config) entry by entry, with the runtime entries left out at every level, and the `left_out` ones
+    ('vision_config.vision_use_head')."""
     differ = []
     for key in sorted(set(saved) | set(current)):
         ours, theirs = saved.get(key), current.get(key)
-        if key in _RUNTIME_CONFIG_KEYS or ours == theirs:
+        if key in _RUNTIME_CONFIG_KEYS or f"{prefix}{key}" in left_out or ours == theirs:
             continue
         if isinstance(ours, dict) and isinstance(theirs, dict):
-            differ += model_config_differences(ours, theirs, f"{prefix}{key}.")
+            differ += model_config_differences(ours, theirs, f"{prefix}{key}.", left_out)
         else:
             differ.append(f"{prefix}{key}: checkpoint {ours!r}, model {theirs!r}")
     return differ
+
+
+def settings_unknown_here(path: str, saved: dict, current: dict) -> frozenset[str]:
+    """The settings of the checkpoint's config.json that this transformers does not define, where another version
+    wrote it. The model's config.json leaves them out (a setting it holds is kept, known or not), so the saving
+    version wrote its own defaults, which keep the behaviour of versions without the setting (5.25 writes Gemma 3's
+    vision_config.vision_use_head true, the head 5.17 builds where it is unset). Said, and left out of the
+    comparison. Written by this version, a setting the model's config lacks is a difference (another model)."""
+    with open(os.path.join(path, "config.json")) as f:
+        written_by = json.load(f).get("transformers_version")
+    unknown = [] if written_by == transformers.__version__ else settings_only_in(saved, current)
+    if unknown:
+        print_rank0(f"resume: {path}/config.json, written by transformers {written_by}, sets {', '.join(unknown)}: "
+                    f"that version's defaults for settings the model's config.json leaves out and transformers "
+                    f"{transformers.__version__} does not define, left out of the comparison")
+    return frozenset(unknown)
+
+
+def settings_only_in(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """The entries of `saved` that `current` lacks, sub-configs entry by entry, but the runtime entries."""
+    only = []
+    for key, value in saved.items():
+        if key in _RUNTIME_CONFIG_KEYS:
+            continue
+        if key not in current:
+            only.append(f"{prefix}{key}")
+        elif isinstance(value, dict) and isinstance(current[key], dict):
+            only += settings_only_in(value, current[key], f"{prefix}{key}.")
+    return only
 
 
 def training_data_differences(state: dict, dataset) -> Optional[str]:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers, processors
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
 
 
@@ -1762,6 +1763,30 @@ def test_auto_says_it_resumes_from_the_checkpoint_latest_names_though_a_newer_on
     cfg.resume_from_checkpoint = str(out / "checkpoint-4")
     assert resolve_resume(cfg, model, tokenizer, data) == str(out / "checkpoint-4")
     assert "also holds" not in capsys.readouterr().out
+
+
+def test_a_setting_another_transformers_wrote_that_this_one_does_not_know_is_left_out_with_a_note(
+        tiny, reference, tmp_path, one_process_group, capsys):
+    """A newer transformers writes its own settings at their defaults (5.25 writes Gemma 3's vision_use_head and
+    gpt-oss' swiglu_limit, which 5.17 lacks): resuming on the older one was refused as another model config."""
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(reference / "checkpoint-6", checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    cfg, model, tokenizer, data = resume_inputs(
+        tiny, "--resume_from_checkpoint", checkpoint, "--gradient_accumulation_steps", "4")
+    for written_by in ("99.0.0", transformers.__version__):
+        (checkpoint / "config.json").write_text(json.dumps({**config, "swiglu_limit": 7.0,
+                                                            "transformers_version": written_by}))
+        if written_by != transformers.__version__:
+            assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+            assert (f"resume: {checkpoint}/config.json, written by transformers 99.0.0, sets swiglu_limit: that "
+                    f"version's defaults for settings the model's config.json leaves out and transformers "
+                    f"{transformers.__version__} does not define, left out of the comparison"
+                    ) in capsys.readouterr().out.splitlines()
+        else:  # written by this version: another model's config
+            with pytest.raises(CheckpointError, match=r"different model config \(swiglu_limit: checkpoint 7.0, model "
+                                                      r"None\)"):
+                resolve_resume(cfg, model, tokenizer, data)
 
 
 def test_the_newer_checkpoints_auto_does_not_take_are_named_with_the_newest_to_continue_from(tmp_path, capsys):
