@@ -54,6 +54,7 @@ from .config import ConfigError, TrainConfig, looked_in
 from .distributed import long_wait_group, print_rank0, ranks, run_on_rank0
 from .export import (DISK_FULL, INDEX_NAME, fsync, gather_full_state_dict, loaded_in_model_layout, replace_dir,
                      space_left, tied_parameter_names, write_gathered_weights, write_model_files)
+from .metrics import library_versions
 from .plan import STATE_DICT_TYPES, TRUE, env_enum
 from .progress import print_line
 from .sharding import buffers_beside_parameters, compute_device, state_dict_name
@@ -441,7 +442,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt, "model_files": model_files,
                      "master_dtype": master_dtype(model), "loaded_in_model_layout": loaded_in_model_layout(model),
                      "scheduler": scheduler.state_dict(), **(wandb_run or {}),
-                     "config": cfg.to_dict(), "train_data": train_data}
+                     "config": cfg.to_dict(), "train_data": train_data, "versions": library_versions()}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:
                 json.dump(state, f, indent=2)
             for name in [*model_files, STATE_NAME]:

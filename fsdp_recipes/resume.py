@@ -19,12 +19,15 @@ from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, latest_c
 from .config import ROUTER_LOSS_KEYS, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import RunComplete, print_rank0, ranks
+from .metrics import library_versions
 from .schedule import count_total_steps
 
 # Config entries that may differ between a checkpoint and the run resuming it. The router-loss settings the recipe
 # config overrides are saved with config.json's values and compared as training config keys (_RESUME_KEYS).
 _RUNTIME_CONFIG_KEYS = {"use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path",
                         *ROUTER_LOSS_KEYS}
+# The libraries whose kernels compute a step: another version may round it otherwise (torch's names its CUDA build).
+_COMPUTE_LIBRARIES = ("torch", "transformers")
 # Training config keys a resume must keep. The data keys decide which examples the data position (the step count)
 # points at; the optimizer's param_groups (learning rate, betas, eps, weight decay) and the scheduler's base LRs come
 # back from the checkpoint, so a new value would be ignored; the schedule and clipping must stay those of the run.
@@ -59,6 +62,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     state = validate_checkpoint(path)
     if cfg.resume_from_checkpoint == "auto":
         report_newer_checkpoints(cfg.output_dir, path, state["step"])
+    report_other_versions(path, state)
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
     current = model.config.to_dict()
@@ -152,6 +156,22 @@ def report_newer_checkpoints(output_dir: str, path: str, step: int) -> None:
                     f"names (a save killed before `latest` named it, or a checkpoint that a return to an earlier "
                     f"step left): this run resumes from {os.path.basename(path)}; to continue from the newer one "
                     f"instead, pass --resume_from_checkpoint {os.path.join(output_dir, newer[-1])}")
+
+
+def report_other_versions(path: str, state: dict) -> None:
+    """A resume on other torch or transformers versions (a cluster upgraded between a run and its resume) loads
+    exactly, but its steps may round otherwise: said, so that losses that move in their last digits are not taken for
+    a broken resume."""
+    saved = state.get("versions")
+    if saved is None:  # a checkpoint from before this record
+        return
+    now = library_versions()
+    changed = [f"{name} {saved[name]}, now {now[name]}" for name in _COMPUTE_LIBRARIES if saved[name] != now[name]]
+    if changed:
+        print_rank0(f"resume: {path} was saved with other library versions ({'; '.join(changed)}): the weights, "
+                    f"optimizer, RNG states and data position load exactly, but kernels that changed may round "
+                    f"otherwise, so the losses from here can differ from an uninterrupted run's in their last digits "
+                    f"(see README, \"Checkpoints and resume\")")
 
 
 def export_of(final: str, checkpoint: str) -> bool:

@@ -47,7 +47,7 @@ from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import DistEnv, RunComplete
 from fsdp_recipes import convert as convert_module, demo, trainer
 from fsdp_recipes.export import replace_dir, save_hf_model
-from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.metrics import MetricsLogger, library_versions
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.output_dir import lock_output_dir, prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
@@ -432,10 +432,10 @@ def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, 
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert state.keys() == {"step", "epoch", "world_size", "format", "model_files", "master_dtype",
                             "loaded_in_model_layout", "scheduler", "wandb_run_id", "wandb_project", "wandb_entity",
-                            "config", "train_data"}
+                            "config", "train_data", "versions"}
     assert {k: v for k, v in state.items() if k not in ("model_files", "scheduler", "config")} == {
         "step": 2, "epoch": 0, "world_size": 1, "format": "sharded", "master_dtype": "float32",
-        "loaded_in_model_layout": True, **wandb_run, "train_data": train_identity}
+        "loaded_in_model_layout": True, **wandb_run, "train_data": train_identity, "versions": library_versions()}
     assert state["config"] == cfg.to_dict() and state["config"]["learning_rate"] == 1e-2
     assert state["scheduler"] == json.loads(json.dumps(scheduler.state_dict()))
     assert state["scheduler"]["last_epoch"] == 2
@@ -1787,6 +1787,28 @@ def test_a_setting_another_transformers_wrote_that_this_one_does_not_know_is_lef
             with pytest.raises(CheckpointError, match=r"different model config \(swiglu_limit: checkpoint 7.0, model "
                                                       r"None\)"):
                 resolve_resume(cfg, model, tokenizer, data)
+
+
+def test_a_resume_on_other_torch_or_transformers_versions_says_so(tiny, reference, tmp_path, one_process_group,
+                                                                   capsys):
+    """A cluster upgraded between a run and its resume: the checkpoint loads exactly, but the steps may round
+    otherwise (bf16 on the CPU, torch 2.13 and 2.11: 1e-4 relative), which the run says."""
+    checkpoint = tmp_path / "checkpoint-6"
+    shutil.copytree(reference / "checkpoint-6", checkpoint)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    cfg, model, tokenizer, data = resume_inputs(
+        tiny, "--resume_from_checkpoint", checkpoint, "--gradient_accumulation_steps", "4")
+    capsys.readouterr()
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    assert "library versions" not in capsys.readouterr().out
+    saved = {**state["versions"], "torch": "2.11.0+cu130", "transformers": "5.17.0", "datasets": "4.8.5"}
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "versions": saved}))
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    assert (f"resume: {checkpoint} was saved with other library versions (torch 2.11.0+cu130, now {torch.__version__}; "
+            f"transformers 5.17.0, now {transformers.__version__}): the weights, optimizer, RNG states and data "
+            f"position load exactly, but kernels that changed may round otherwise, so the losses from here can differ "
+            f"from an uninterrupted run's in their last digits (see README, \"Checkpoints and resume\")"
+            ) in capsys.readouterr().out.splitlines()
 
 
 def test_the_newer_checkpoints_auto_does_not_take_are_named_with_the_newest_to_continue_from(tmp_path, capsys):
