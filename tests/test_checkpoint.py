@@ -1992,8 +1992,12 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
     # Step 6 ends the run whatever keys say so: max_steps 6, or 0.375 of an epoch of 16 steps.
     shutil.copytree(reference / "checkpoint-6", tmp_path / "copy" / "checkpoint-6")
     same_end = dataclasses.replace(shortened, resume_from_checkpoint=str(tmp_path / "copy" / "checkpoint-6"),
-                                   max_steps=-1, num_train_epochs=0.375)
+                                   max_steps=-1, num_train_epochs=0.375, save_steps=0)
+    capsys.readouterr()
     assert resolve_resume(same_end, model, tokenizer, data) == str(tmp_path / "copy" / "checkpoint-6")
+    # A run finished from its last checkpoint trains no steps: no word of training them again, with save_steps 0.
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "the run is finished from it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
     # With auto and the export written after the checkpoint, the run is complete; but not a run shortened to end at
     # the checkpoint `latest` names.
     (tmp_path / "copy" / "final").mkdir()
