@@ -905,6 +905,12 @@ def test_converter_reads_a_tensor_with_fewer_rows_than_ranks(tmp_path):
     (model_dir / ".metadata").write_bytes(pickle.dumps(metadata))
     _, _, load_tensor, load_row = convert_module.sharded_checkpoint_tensors(str(tmp_path / "checkpoint"))
     assert torch.equal(load_tensor("gate"), gate) and torch.equal(load_row("gate", 0), gate)
+    # Both chunks are read straight into the tensor's bytes: the empty one is not a layout left to dcp.load.
+    tensor, chunks = torch.empty(1, 64), metadata.state_dict_metadata["gate"].chunks
+    infos = [metadata.storage_data[MetadataIndex("gate", chunk.offsets)] for chunk in chunks]
+    assert [convert_module.read_chunk_into(tensor, 0, chunk, info, str(model_dir))
+            for chunk, info in zip(chunks, infos)] == [True, True]
+    assert torch.equal(tensor, gate)
 
 
 def test_converter_refuses_an_empty_mount_point_before_writing(reference, tmp_path):
