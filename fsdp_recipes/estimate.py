@@ -155,11 +155,15 @@ def fsdp_groups(model: nn.Module, layer_names: list[str] | None = None
 class SavedActivations:
     """What one micro-batch's forward leaves for backward, measured: bytes per decoder layer that ran (not a
     multimodal model's vision and audio towers, idle on text), one layer's input (all a checkpointed layer
-    keeps), and the names of the parameters the forward used: only those get gradients and AdamW states."""
+    keeps), and the names of the parameters the forward used: only those get gradients and AdamW states.
+    With fsdp_transformer_layer_cls_to_wrap naming classes inside the decoder layers (their MLPs), per_layer is per
+    unit, and `outside` what the decoder layers save outside the units (their attention), which no unit's
+    activation checkpointing recomputes."""
     tokens: int
     per_layer: tuple[int, ...]
     layer_input: int
     trained: frozenset[str]
+    outside: int
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
@@ -246,7 +250,8 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
                           f"only: estimate {config.model_type} with --mixed_precision bf16 or pure_bf16")
     packed, full = (_saved_per_layer(model, batch, seq_len, layout, layer_names) for layout in ("packed", "full"))
     return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
-                            max(packed.layer_input, full.layer_input), packed.trained | full.trained)
+                            max(packed.layer_input, full.layer_input), packed.trained | full.trained,
+                            max(packed.outside, full.outside))
 
 
 def _used_parameters(model: nn.Module, output: torch.Tensor) -> frozenset[str]:
@@ -272,9 +277,16 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, layer_names))]
-    saves: list[tuple[weakref.ref, int]] = []  # each tensor saved while a decoder layer ran, and that layer
+    # The decoder layers around units named inside them (their MLPs): the nn.ModuleLists' layers that hold a unit.
+    # What these save outside the units is kept too. Found by structure: a model whose units are named may have
+    # layer classes the recipe cannot find by itself.
+    units = {id(layer) for layer in layers}
+    decoder_layers = [layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
+                      if id(layer) not in units and any(id(sub) in units for sub in layer.modules())]
+    saves: list[tuple[weakref.ref, int | None]] = []  # each tensor saved while a unit ran, and that unit (None: none)
     inputs: list[int] = []
-    running: list[int] = []  # the index of the decoder layer whose forward is running
+    running: list[int] = []  # the index of the unit whose forward is running
+    in_decoder_layer: list[int] = []  # one entry per decoder layer whose forward is running
     ran: set[int] = set()
 
     def enter(index: int):
@@ -287,10 +299,16 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     def leave(module, args, output):
         running.pop()
 
+    def enter_decoder_layer(module, args):
+        in_decoder_layer.append(1)
+
+    def leave_decoder_layer(module, args, output):
+        in_decoder_layer.pop()
+
     def pack(tensor: torch.Tensor) -> _Saved:
         packed = _Saved(tensor)
-        if running:
-            saves.append((weakref.ref(packed), running[-1]))
+        if running or in_decoder_layer:
+            saves.append((weakref.ref(packed), running[-1] if running else None))
         return packed
 
     with torch.device("meta"):
@@ -300,6 +318,9 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     handles = [h for i, layer in enumerate(layers)
                for h in (layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                          layer.register_forward_hook(leave))]
+    handles += [h for layer in decoder_layers
+                for h in (layer.register_forward_pre_hook(enter_decoder_layer),
+                          layer.register_forward_hook(leave_decoder_layer))]
     try:
         # Without a KV cache, as in training (a cache would copy k and v: Phi-3's v would no longer keep its fused
         # qkv output alive). transformers then looks for the examples in the positions, values the meta device
@@ -316,16 +337,19 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
             handle.remove()
     # Counted once the forward has ended, while logits hold the graph: a tensor saved in a branch that the output
     # does not reach (a MoE router's top-k) was freed with it, and backward never sees it.
-    saved = [0] * len(layers)
+    saved, outside = [0] * len(layers), 0
     seen: set[int] = set()  # a tensor that several layers save (the residual stream) is counted once
     for ref, index in saves:
         packed = ref()
         storage = None if packed is None else packed.tensor.untyped_storage()
         if storage is not None and storage._cdata not in weights and storage._cdata not in seen:
             seen.add(storage._cdata)
-            saved[index] += storage.nbytes()
+            if index is None:
+                outside += storage.nbytes()
+            else:
+                saved[index] += storage.nbytes()
     return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs),
-                            _used_parameters(model, logits))
+                            _used_parameters(model, logits), outside)
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
@@ -359,9 +383,9 @@ def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, 
     grad_buffers = gathered_numel(trained_root) * compute + largest_layer * (compute + reduce)
 
     if setting.activation_checkpointing:  # each layer's input, and one layer recomputed in backward
-        activations = len(saved.per_layer) * saved.layer_input + max(saved.per_layer)
+        activations = len(saved.per_layer) * saved.layer_input + max(saved.per_layer) + saved.outside
     else:
-        activations = sum(saved.per_layer)
+        activations = sum(saved.per_layer) + saved.outside
     # The peak of the loss's backward: the logits in compute dtype, the fp32 log-softmax cross-entropy keeps, and
     # the fp32 gradients of nll_loss and of log_softmax (the fp32 copy of bf16 logits is freed after the forward).
     # Final logit soft-capping (Gemma 2) keeps its tanh's output too, outside the decoder layers.

@@ -779,6 +779,24 @@ def test_a_recipe_configs_layer_classes_are_the_units_estimated(tmp_path, capsys
         main(["--model", str(model), "--num_gpus", "2", "--fsdp_transformer_layer_cls_to_wrap", "Nope"])
 
 
+def test_what_the_decoder_layers_save_outside_their_units_is_measured():
+    """With fsdp_transformer_layer_cls_to_wrap LlamaMLP, only what the MLPs saved was counted: the attention's
+    activations, most of each layer's, were left out of every estimate (0.00 GiB for a run that needs 0.01)."""
+    config = LlamaConfig(**SMALL)
+    layers = measure_activations(config, "bf16", batch=2, seq_len=64, attn_implementation="sdpa")
+    mlps = measure_activations(config, "bf16", batch=2, seq_len=64, attn_implementation="sdpa",
+                               layer_names=["LlamaMLP"])
+    # Each MLP keeps its bf16 input (64 per token) and 4 of its 96-wide intermediates: 896 bytes per token.
+    assert (mlps.per_layer, mlps.layer_input) == ((128 * 896,) * 2, 128 * 64 * 2)
+    assert layers.outside == 0 and mlps.outside == sum(layers.per_layer) - 2 * 128 * 896 == 407552
+    model = build_meta_model(config, torch.float32)
+    off, on = (estimate(model, Setting("FULL_SHARD", checkpointing, False), 2, 1, "bf16", mlps, ["LlamaMLP"])
+               .activations for checkpointing in (False, True))
+    assert off == sum(layers.per_layer)  # the same tensors, whichever units
+    # Checkpointing recomputes the MLPs (their inputs kept, one recomputed at a time), not the attention.
+    assert on == mlps.outside + 2 * 128 * 64 * 2 + 128 * 896
+
+
 def test_a_recipe_configs_values_are_named_in_their_errors(tmp_path):
     yaml = tmp_path / "run.yaml"
     yaml.write_text(f"model_name_or_path: {tmp_path / 'absent'}\n")
