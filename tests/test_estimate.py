@@ -777,6 +777,27 @@ def test_a_recipe_configs_layer_classes_are_the_units_estimated(tmp_path, capsys
     with pytest.raises(ConfigError, match="^fsdp_transformer_layer_cls_to_wrap names Nope, which is not a module "
                                           "class of LlamaForCausalLM"):
         main(["--model", str(model), "--num_gpus", "2", "--fsdp_transformer_layer_cls_to_wrap", "Nope"])
+    # The table, and what a GPU holds when nothing fits, are of the units named. 8 layers of 41.9M attention and
+    # 12.6M MLP weights: FULL_SHARD gathers the root and 2 units, (1.05M + 8 x 41.9M + 2 x 12.6M) x 2 bytes = 0.67 GiB
+    # with MLP units (the attention joins the root), (1.05M + 2 x 54.5M) x 2 = 0.21 GiB with decoder layers; and
+    # checkpointing recomputes the MLPs only, not the attention's activations.
+    big = write_config(tmp_path / "big.json", LlamaConfig(vocab_size=128, hidden_size=4096, intermediate_size=1024,
+                                                          num_hidden_layers=8, num_attention_heads=32,
+                                                          num_key_value_heads=8, head_dim=128).to_dict())
+    reports = []
+    for units in (["--fsdp_transformer_layer_cls_to_wrap", "LlamaMLP"], []):
+        main(["--model", str(big), "--seq_len", "64", "--batch", "1", "--num_gpus", "2", "--gpu_memory", "0.1",
+              "--activation_checkpointing", *units])
+        reports.append(capsys.readouterr().out.splitlines())
+    mlp_units, layer_units = reports
+    assert "gathered parameters (estimate)                 0.67           0.81           0.67" in mlp_units
+    assert "gathered parameters (estimate)                 0.21           0.81           0.21" in layer_units
+    assert "activations (measured)                         0.05           0.05           0.05" in mlp_units
+    assert "activations (measured)                         0.01           0.01           0.01" in layer_units
+    assert "a GPU holds 1.4 GiB" in mlp_units[-1] and "a GPU holds 0.5 GiB" in layer_units[-1]
+    # As the recipe reads the key: a space after a comma is no part of a name.
+    assert parse_args(["--model", str(big), "--num_gpus", "2", "--fsdp_transformer_layer_cls_to_wrap",
+                       "LlamaMLP, LlamaAttention"]).layer_names == ["LlamaMLP", "LlamaAttention"]
 
 
 def test_what_the_decoder_layers_save_outside_their_units_is_measured():
