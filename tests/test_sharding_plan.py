@@ -339,6 +339,33 @@ def test_a_declared_class_inside_another_is_no_unit_of_its_own(accelerate_env):
             if hasattr(m, "_checkpoint_wrapped_module")] == ["MambaBlock"] * 2
 
 
+class Mixer(torch.nn.Linear):
+    pass
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Mixer(4, 4)
+
+
+class BlocksAndMixer(torch.nn.Module):
+    """Two blocks, each with a mixer inside, and a mixer of its own outside them."""
+    _no_split_modules = ["Block", "Mixer"]
+
+    def __init__(self, head: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.head = Mixer(4, 4) if head else None
+
+
+def test_a_declared_class_found_outside_the_others_too_stays_a_unit():
+    # Only a class found nowhere but inside another declared class is dropped: a module of it outside them stays a
+    # unit, not left to the root.
+    assert find_layer_classes(BlocksAndMixer(head=True), None) == (Block, Mixer)
+    assert find_layer_classes(BlocksAndMixer(head=False), None) == (Block,)
+
+
 def test_a_module_of_exactly_min_num_params_is_a_size_based_unit():
     # "fsdp_min_num_params parameters or more", as the plan prints it and FSDP1's own size policy counts.
     model = tiny_model()
