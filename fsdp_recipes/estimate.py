@@ -7,8 +7,8 @@
     python -m fsdp_recipes.estimate --config recipes/configs/<recipe>.yaml --num_gpus 8 [any flag above]
 
 With --config, the run that recipe YAML describes is estimated: its model, micro-batch, sequence length, precision,
-attention, activation checkpointing, offload and layer classes (the recipe's defaults where the YAML leaves a key out, as the
-run would take them); a flag given besides overrides the YAML.
+attention, activation checkpointing, offload and layer classes (the recipe's defaults where the YAML leaves a key out,
+as the run would take them); a flag given besides overrides the YAML.
 
 It builds the model on the meta device and prints, per GPU, for FSDP2 FULL_SHARD, SHARD_GRAD_OP and HSDP as this
 project applies them (`fully_shard` on each decoder layer, then the root; AdamW): the parameters, gradients and
@@ -276,7 +276,8 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     packed = layout == "packed"
     # A storage's identity (views share it); data_ptr is 0 for every storage on the meta device.
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    layers = [m for m in model.modules() if isinstance(m, find_layer_classes(model, layer_names))]
+    layer_classes = find_layer_classes(model, layer_names)
+    layers = [m for m in model.modules() if isinstance(m, layer_classes)]
     # The decoder layers around units named inside them (their MLPs): the nn.ModuleLists' layers that hold a unit.
     # What these save outside the units is kept too. Found by structure: a model whose units are named may have
     # layer classes the recipe cannot find by itself.
@@ -330,6 +331,9 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
               mock.patch.object(masking_utils, "find_packed_sequence_indices",
                                 torch.zeros_like if packed else lambda position_ids: None),
               mock.patch.object(PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda *args: None),
+              # A model that builds an all-ones attention mask itself (BioGPT) reads it to skip the mask: the batches
+              # measured have no padding.
+              mock.patch.object(masking_utils, "fast_all", lambda tensor: True),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor)):
             logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     finally:
@@ -412,7 +416,7 @@ def fits(est: Estimate, gpu_memory_gib: float) -> bool:
 
 def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     for setting in candidate_settings(args.num_nodes):
-        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, saved, args.layer_names)
+        est = estimate(model, setting, args.num_gpus, args.num_nodes, args.mixed_precision, saved, args.units)
         if fits(est, args.gpu_memory):
             # Offload moves the sharded state to host memory, which must then hold it for every GPU of the node.
             host = (f", and {args.num_gpus // args.num_nodes * est.sharded_state / GIB:.1f} GiB of CPU RAM per node"
@@ -428,7 +432,7 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
                     f"GPU{host} (recipe config: {setting.recipe_keys(args.num_nodes)}, {run_keys})")
     # With checkpointing and offload (the last candidate), the GPU holds only what does not shrink with more GPUs.
     est = estimate(model, Setting("FULL_SHARD", True, True), args.num_gpus, args.num_nodes, args.mixed_precision,
-                   saved, args.layer_names)
+                   saved, args.units)
     return (f"nothing fits in {args.gpu_memory:g} GiB per GPU on {args.num_gpus} GPUs: even with activation "
             f"checkpointing and CPU offload, a GPU holds {est.gpu_total / GIB:.1f} GiB, more than the "
             f"{USABLE_SHARE * args.gpu_memory:.1f} usable ({USABLE_SHARE:.0%}), that more GPUs do not shrink "
@@ -440,7 +444,7 @@ def recommend(model: nn.Module, args: argparse.Namespace, saved: SavedActivation
 def format_report(model: nn.Module, args: argparse.Namespace, saved: SavedActivations) -> str:
     setting_of = {s: Setting(s, args.activation_checkpointing, args.offload) for s in STRATEGIES}
     ests = {s: estimate(model, setting_of[s], args.num_gpus, args.num_nodes, args.mixed_precision, saved,
-                        args.layer_names) for s in STRATEGIES}
+                        args.units) for s in STRATEGIES}
     total = sum(p.numel() for p in model.parameters())
     per_node = args.num_gpus // args.num_nodes
     precision = {"bf16": "bf16 compute, fp32 master weights, gradients and Adam states",
@@ -544,6 +548,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.notes = notes
     layers = args.fsdp_transformer_layer_cls_to_wrap
     args.layer_names = [name.strip() for name in layers.split(",")] if layers else None
+    args.units = args.layer_names  # main() names the classes found once the model is built
     given = {arg[2:].partition("=")[0] for arg in (sys.argv[1:] if argv is None else argv) if arg.startswith("--")}
     # Where a value came from, for its errors: the flag, or the YAML's key.
     args.label = {flag: f"--{flag}" if flag in given or not config_path else f"{key} (from {config_path})"
@@ -580,8 +585,10 @@ def main(argv: list[str] | None = None) -> None:
     model = build_meta_model(config, MASTER_DTYPE[args.mixed_precision], args.trust_remote_code)
     check_sequence_length(model, args.seq_len, args.label["seq_len"])
     check_no_weight_kept_in_fp32(model, args.mixed_precision)
+    # The units' classes, found once: a model without _no_split_modules prints which layers it found.
+    args.units = [cls.__name__ for cls in find_layer_classes(model, args.layer_names)]
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
-                                args.trust_remote_code, args.layer_names)
+                                args.trust_remote_code, args.units)
     print("\n".join([*args.notes, format_report(model, args, saved)]))
 
 

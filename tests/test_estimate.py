@@ -13,9 +13,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma2Config, GPT2Config, Gemma3Config, Gemma3TextConfig, Gemma4Config,
-                          Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config,
-                          Qwen3MoeConfig, T5Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, GPT2Config, Gemma3Config,
+                          Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig,
+                          Phi3Config, Qwen3Config, Qwen3MoeConfig, T5Config)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
@@ -232,6 +232,22 @@ def test_a_model_that_looks_for_padding_in_its_input_ids_is_measured():
     # Each layer's 2 LayerNorms keep their mean and 1/std per token in fp32 on a GPU (and the meta device), in bf16 on
     # the CPU: 2 x 2 x 2 bytes per token more.
     assert [measured - cpu for measured, cpu in zip(saved.per_layer, real)] == [2 * 2 * 2 * 128] * 2
+
+
+def test_a_model_that_builds_its_own_attention_mask_is_measured(tmp_path, capsys):
+    # BioGPT builds an all-ones attention mask and reads it to skip it, values the meta device lacks: the estimate
+    # stopped with "Tensor.item() cannot be called on meta tensors". It declares no _no_split_modules: the layers
+    # found are named once, not once per module of each measurement.
+    config = BioGptConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    saved = measure_activations(config, "bf16", 2, 64, "sdpa", layer_names=["BioGptDecoderLayer"])
+    real = map(max, *(bytes_autograd_saves_per_layer(config, "sdpa", 2, 64, layout) for layout in ("packed", "full")))
+    # As GPT-2's above: the LayerNorms' statistics, fp32 on a GPU and the meta device, bf16 on the CPU.
+    assert [measured - cpu for measured, cpu in zip(saved.per_layer, real)] == [2 * 2 * 2 * 128] * 2
+    capsys.readouterr()
+    main(["--model", str(write_config(tmp_path / "biogpt.json", config.to_dict())), "--num_gpus", "2",
+          "--seq_len", "64"])
+    assert capsys.readouterr().out.count("wrapping: BioGptForCausalLM declares no _no_split_modules") == 1
 
 
 def test_a_config_without_kv_cache_is_measured_alike():
