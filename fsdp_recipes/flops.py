@@ -97,10 +97,13 @@ def attended_lengths(config, seq_len: int) -> list[int]:
 
 
 def layer_types(config) -> list[str]:
-    """config.layer_types, or for a config without them: every layer sliding where the config has a window in use
-    (Mistral v0.1, Phi-3 mini; Qwen2's only with use_sliding_window), else every layer full attention."""
+    """config.layer_types, or for a config without them: no softmax attention in a model without attention heads
+    (Mamba 2, FalconMamba, RWKV, xLSTM); every layer sliding where the config has a window in use (Mistral v0.1,
+    Phi-3 mini; Qwen2's only with use_sliding_window); else every layer full attention."""
     if getattr(config, "layer_types", None):
         return list(config.layer_types)
+    if getattr(config, "num_attention_heads", None) is None:
+        return ["linear_attention"] * config.num_hidden_layers
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
     return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
@@ -113,6 +116,8 @@ def training_flops_per_token(model: nn.Module, seq_len: int) -> float:
     config = model.config.get_text_config()  # a multimodal model's (Gemma 3 and 4): its language model's
     attention = 0
     for layer, keys in zip(layer_configs(config), attended_lengths(config, seq_len)):
+        if not keys:  # no softmax attention: Mamba's layers have no attention heads to read
+            continue
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
         # Multi-head latent attention (DeepSeek V2/V3, MiniCPM3): head_dim is only the rotary part of a query-key
         # head; QK^T runs over qk_head_dim (rotary + non-rotary), AV over v_head_dim.

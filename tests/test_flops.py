@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import (DeepseekV3Config, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
-                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GptOssConfig,
-                          JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MixtralConfig, MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig)
+from transformers import (DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig,
+                          Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig,
+                          GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
+                          Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM, NemotronHConfig,
+                          Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -125,6 +126,18 @@ def test_linear_attention_layers_add_no_attention_term():
     assert attended_lengths(NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="M*-E"), 512) == [0, 512, 0, 0]
     lfm2 = Lfm2Config(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
     assert attended_lengths(lfm2, 512) == [0, 512, 0, 512]
+
+
+
+@pytest.mark.parametrize("config_class, dims", [(MambaConfig, {}), (FalconMambaConfig, {}), (RwkvConfig, {}),
+                                                (Mamba2Config, dict(num_heads=8, head_dim=16)), (xLSTMConfig, {})])
+def test_attention_free_models_count_their_matmuls_alone(config_class, dims):
+    # Their configs have no num_attention_heads (Mamba's declares linear_attention layers, the others no layer types):
+    # the trainer's mfu stopped the run at its first logging step (AttributeError) on a GPU with a known peak.
+    model = build_meta_model(config_class(vocab_size=100, hidden_size=64, num_hidden_layers=2, **dims))
+    flops = 6 * active_matmul_params(model)
+    assert training_flops_per_token(model, 64) == training_flops_per_token(model, 4096) == flops
+    assert attended_lengths(model.config, 4096) == [0, 0]
 
 
 def test_latent_attention_counts_query_key_and_value_widths():
