@@ -41,12 +41,10 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
 def active_matmul_params(model: nn.Module) -> float:
     """Parameters one token multiplies through: the lm_head, and the language model's but its embeddings (lookups:
     the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions) and its norms and biases
-    (no matmul); of a mixture-of-experts layer's experts only the share a token is routed to
-    (num_experts_per_tok, or Gemma 4's top_k_experts, of all of them). A multimodal model's vision and audio towers
-    do not run on text."""
+    (no matmul); of a mixture-of-experts layer's experts only the share a token is routed to (expert_counts). A
+    multimodal model's vision and audio towers do not run on text."""
     config = model.config.get_text_config()
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    routed = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)  # Gemma 4
+    experts, routed = expert_counts(config)
     decoder = model.get_decoder()
     lookups = {id(module.weight) for module in decoder.modules() if isinstance(module, nn.Embedding)}
     total = float(model.get_output_embeddings().weight.numel())  # tied to the input embedding or not, a matmul
@@ -56,6 +54,18 @@ def active_matmul_params(model: nn.Module) -> float:
         share = routed / experts if experts and routed and is_expert_weight(name, param, experts) else 1.0
         total += param.numel() * share
     return total
+
+
+def expert_counts(config) -> tuple[int | None, int | None]:
+    """A mixture of experts' experts per layer and how many of them a token is routed to: num_local_experts or
+    num_experts, and num_experts_per_tok or Gemma 4's top_k_experts (the configs' attribute maps give these names to
+    DeepSeek's n_routed_experts and Ernie 4.5's moe_num_experts and moe_k); DBRX's ffn_config holds its own
+    (moe_num_experts, moe_top_k). None for a dense model."""
+    ffn = getattr(config, "ffn_config", None)  # DBRX
+    if getattr(ffn, "moe_num_experts", None):
+        return ffn.moe_num_experts, ffn.moe_top_k
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return experts, getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)
 
 
 def is_expert_weight(name: str, param: nn.Parameter, experts: int) -> bool:

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from transformers import (DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig,
-                          Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig,
-                          GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
-                          Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM, NemotronHConfig,
-                          Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
+from transformers import (DbrxConfig, DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig,
+                          Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
+                          Gemma4VisionConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig,
+                          LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM,
+                          NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -78,6 +78,16 @@ def test_moe_experts_are_found_by_their_fused_tensor_not_their_module_name():
                                           num_key_value_heads=2, head_dim=16, intermediate_size=32,
                                           num_local_experts=4, num_experts_per_tok=2))
     attention, router, experts = 2 * 64 * 64 + 2 * 64 * 32, 4 * 64, 4 * (64 * 2 * 32 + 32 * 64)
+    assert active_matmul_params(model) == 100 * 64 + attention + router + experts * 2 / 4
+
+
+def test_dbrx_counts_the_routed_experts_its_ffn_config_names():
+    # DBRX keeps its experts' counts in ffn_config (4, 2 per token): all 4 were counted, twice the experts' FLOPs.
+    model = build_meta_model(DbrxConfig(vocab_size=100, d_model=64, n_heads=4, n_layers=1,
+                                        attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                                        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)))
+    attention = (64 + 2 * 2 * 16) * 64 + 64 * 64  # Wqkv: 4 query and 2 key-value heads of 16; out_proj
+    router, experts = 4 * 64, 4 * 3 * 32 * 64  # w1, v1, w2: each expert's 32 x 64, stacked
     assert active_matmul_params(model) == 100 * 64 + attention + router + experts * 2 / 4
 
 
