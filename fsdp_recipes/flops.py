@@ -91,14 +91,16 @@ def layer_configs(config) -> list:
 def attended_lengths(config, seq_len: int) -> list[int]:
     """The keys a query attends to through softmax attention in each decoder layer: seq_len; the sliding window in
     a layer that has one (every layer of Mistral v0.1 and Phi-3 mini; 5 of every 6 of Gemma 3's, per
-    config.layer_types); the chunk in Llama 4's chunked layers; none in a layer without softmax attention
-    (NO_SOFTMAX_ATTENTION). Another attention type (a sparse one) counts the whole row, an upper bound."""
+    config.layer_types; GPT-Neo's local layers); the chunk in Llama 4's chunked layers; none in a layer without
+    softmax attention (NO_SOFTMAX_ATTENTION). Another attention type (a sparse one) counts the whole row, an upper
+    bound."""
     lengths = []
     for kind, layer in zip(layer_types(config), layer_configs(config)):
         if kind in NO_SOFTMAX_ATTENTION:
             lengths.append(0)
         elif kind == "sliding_attention":  # no window set (Qwen2 without use_sliding_window): the whole row
-            lengths.append(min(seq_len, getattr(layer, "sliding_window", None) or seq_len))
+            window = getattr(layer, "sliding_window", None) or getattr(layer, "window_size", None)  # GPT-Neo's
+            lengths.append(min(seq_len, window or seq_len))
         elif kind == "chunked_attention":
             lengths.append(min(seq_len, getattr(layer, "attention_chunk_size", None) or seq_len))
         else:
@@ -108,12 +110,15 @@ def attended_lengths(config, seq_len: int) -> list[int]:
 
 def layer_types(config) -> list[str]:
     """config.layer_types, or for a config without them: no softmax attention in a model without attention heads
-    (Mamba 2, FalconMamba, RWKV, xLSTM); every layer sliding where the config has a window in use (Mistral v0.1,
-    Phi-3 mini; Qwen2's only with use_sliding_window); else every layer full attention."""
+    (Mamba 2, FalconMamba, RWKV, xLSTM); GPT-Neo's attention_layers; every layer sliding where the config has a
+    window in use (Mistral v0.1, Phi-3 mini; Qwen2's only with use_sliding_window); else every layer full
+    attention."""
     if getattr(config, "layer_types", None):
         return list(config.layer_types)
     if getattr(config, "num_attention_heads", None) is None:
         return ["linear_attention"] * config.num_hidden_layers
+    if getattr(config, "attention_layers", None):  # GPT-Neo's "local" layers attend to the last window_size tokens
+        return ["sliding_attention" if kind == "local" else "full_attention" for kind in config.attention_layers]
     sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
     return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 

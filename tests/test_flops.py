@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import (DbrxConfig, DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig,
                           Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                          Gemma4VisionConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM,
-                          NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
+                          Gemma4VisionConfig, GPTNeoConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig,
+                          LlamaConfig, LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig,
+                          MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -43,6 +43,9 @@ def test_sliding_window_layers_attend_to_the_window_only():
     assert attended_lengths(MistralConfig(num_hidden_layers=2, sliding_window=None), 8192) == [8192, 8192]
     assert attended_lengths(Qwen2Config(num_hidden_layers=2, sliding_window=4096), 8192) == [8192, 8192]
     assert attended_lengths(LlamaConfig(num_hidden_layers=2), 8192) == [8192, 8192]
+    # GPT-Neo alternates global and local layers (a window of 256 in the hub's models); the local ones counted the row.
+    gpt_neo = GPTNeoConfig(num_layers=4, attention_types=[[["global", "local"], 2]], window_size=256)
+    assert attended_lengths(gpt_neo, 2048) == [2048, 256, 2048, 256]
     # Llama 4: 3 chunked layers of every 4 attend within their chunk of 8192 tokens, the 4th to the whole row.
     llama4 = Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8192)
     assert attended_lengths(llama4, 16384) == [8192, 8192, 8192, 16384]
