@@ -38,18 +38,25 @@ def build_meta_model(config: PretrainedConfig, dtype: torch.dtype | None = None,
     return model
 
 
+# Parameters of two or more dimensions that no matmul reads: Mamba's state decay A_log (d_inner x d_state, applied
+# elementwise in the scan; FalconMamba's and Jamba's too) and RWKV's token-shift mixes time_mix_* (1 x 1 x hidden).
+ELEMENTWISE = ("A_log", "time_mix_")
+
+
 def active_matmul_params(model: nn.Module) -> float:
     """Parameters one token multiplies through: the lm_head, and the language model's but its embeddings (lookups:
-    the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions) and its norms and biases
-    (no matmul); of a mixture-of-experts layer's experts only the share a token is routed to (expert_counts). A
-    multimodal model's vision and audio towers do not run on text."""
+    the input embedding, Gemma 3n's and 4's per-layer input embeddings, learned positions), its norms and biases and
+    its ELEMENTWISE parameters (no matmul); a convolution's weights over the tokens (Mamba's, LFM2's) count as a
+    matmul's, each multiplying once per token; of a mixture-of-experts layer's experts only the share a token is
+    routed to (expert_counts). A multimodal model's vision and audio towers do not run on text."""
     config = model.config.get_text_config()
     experts, routed = expert_counts(config)
     decoder = model.get_decoder()
     lookups = {id(module.weight) for module in decoder.modules() if isinstance(module, nn.Embedding)}
     total = float(model.get_output_embeddings().weight.numel())  # tied to the input embedding or not, a matmul
     for name, param in decoder.named_parameters():
-        if param.ndim < 2 or id(param) in lookups or name.endswith("bias"):  # gpt-oss's experts' biases are 2-D
+        elementwise = name.endswith("bias") or name.rsplit(".", 1)[-1].startswith(ELEMENTWISE)  # gpt-oss's biases: 2-D
+        if param.ndim < 2 or id(param) in lookups or elementwise:
             continue
         share = routed / experts if experts and routed and is_expert_weight(name, param, experts) else 1.0
         total += param.numel() * share

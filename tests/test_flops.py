@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import (DbrxConfig, DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig,
                           Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
                           Gemma4VisionConfig, GPTNeoConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig,
                           LlamaConfig, LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig,
-                          MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig, xLSTMConfig)
+                          MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig,
+                          RwkvForCausalLM, xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -151,6 +153,23 @@ def test_attention_free_models_count_their_matmuls_alone(config_class, dims):
     flops = 6 * active_matmul_params(model)
     assert training_flops_per_token(model, 64) == training_flops_per_token(model, 4096) == flops
     assert attended_lengths(model.config, 4096) == [0, 0]
+
+
+def test_elementwise_parameters_count_no_matmul():
+    # Mamba's A_log (128 x 8 here) decays the scan's state elementwise; its depthwise convolution's weight (128 x 4)
+    # multiplies once per token, as a matmul's would. The lm_head is tied.
+    mamba = build_meta_model(MambaConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, state_size=8, expand=2,
+                                         conv_kernel=4, time_step_rank=8))
+    in_proj, conv, x_proj, dt_proj, out_proj = 64 * 2 * 128, 128 * 4, 128 * (8 + 2 * 8), 8 * 128, 128 * 64
+    assert active_matmul_params(mamba) == 100 * 64 + in_proj + conv + x_proj + dt_proj + out_proj
+    # RWKV's time_mix_* (1 x 1 x 64) interpolate each token with the previous one; its recurrence is elementwise too,
+    # so the count is all that torch's counter finds in a forward and backward.
+    torch.manual_seed(0)
+    rwkv = RwkvForCausalLM(RwkvConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, intermediate_size=128))
+    ids = torch.randint(100, (2, 16))
+    with FlopCounterMode(display=False) as counter:
+        rwkv(input_ids=ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() == training_flops_per_token(rwkv, 16) * ids.numel()
 
 
 def test_latent_attention_counts_query_key_and_value_widths():
