@@ -3,12 +3,13 @@
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import (DbrxConfig, DeepseekV3Config, FalconMambaConfig, Gemma3ForCausalLM, Gemma3TextConfig,
-                          Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                          Gemma4VisionConfig, GPTNeoConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig,
-                          LlamaConfig, LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig,
-                          MixtralForCausalLM, NemotronHConfig, Qwen2Config, Qwen3NextConfig, RwkvConfig,
-                          RwkvForCausalLM, xLSTMConfig)
+from transformers import (AutoModelForCausalLM, BloomConfig, DbrxConfig, DeepseekV3Config, FalconMambaConfig,
+                          Gemma3ForCausalLM, Gemma3TextConfig, Gemma4AudioConfig, Gemma4Config,
+                          Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GPT2Config,
+                          GPTNeoConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig,
+                          LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM,
+                          NemotronHConfig, Qwen2Config, Qwen2MoeConfig, Qwen3NextConfig, RwkvConfig, RwkvForCausalLM,
+                          xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -29,6 +30,30 @@ def test_dense_model_counts_lm_head_once_whether_tied_or_not():
         expected = llama_matmul_params(1000, 64, 128, 3, kv_dim=2 * 16)
         assert active_matmul_params(model) == expected
         assert training_flops_per_token(model, seq_len=256) == 6 * expected + 12 * 3 * 4 * 16 * 256
+
+
+TINY = dict(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+TINY_MOE = dict(TINY, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.mark.parametrize("config", [  # Qwen2-MoE's shared expert is gated
+    GPT2Config(vocab_size=100, n_embd=64, n_layer=2, n_head=4),  # Conv1D projections, a tied lm_head
+    BloomConfig(vocab_size=100, hidden_size=64, n_layer=2, n_head=4),  # fused query-key-value, ALiBi
+    MixtralConfig(**TINY, num_key_value_heads=2, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2),
+    Qwen2MoeConfig(**TINY_MOE, num_key_value_heads=2, num_experts=4, shared_expert_intermediate_size=64),
+    DeepseekV3Config(**TINY_MOE, num_key_value_heads=4, intermediate_size=128, q_lora_rank=24, kv_lora_rank=16,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                     first_k_dense_replace=1, n_group=1, topk_group=1),  # latent attention, a dense first layer
+], ids=lambda config: config.model_type)
+def test_count_equals_torchs_count_of_a_forward_and_backward(config):
+    # Eager attention computes every query-key pair of the row (the causal half masked), as the count does; eager
+    # experts multiply only the tokens routed to them: however unevenly a batch routes, each token goes to 2 of 4.
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
+    ids = torch.randint(100, (2, 32))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.get_total_flops() == training_flops_per_token(model, 32) * ids.numel()
 
 
 def test_sliding_window_layers_attend_to_the_window_only():
