@@ -238,12 +238,21 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
 
     Each layer's larger figure of two batches: a packed one (with a mask, sdpa takes k and v repeated to every query
     head; a padded batch has a mask too), and one of rows that fill it (no mask: grouped-query attention as is)."""
-    if attn_implementation in ("flash_attention_2", "flex_attention"):
-        attn_implementation = MEASURED_FLASH_OR_FLEX
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
-                                                 attn_implementation=attn_implementation,
-                                                 trust_remote_code=trust_remote_code)
+    fused = attn_implementation in ("flash_attention_2", "flex_attention")
+    measured = MEASURED_FLASH_OR_FLEX if fused else attn_implementation
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE[mixed_precision],
+                                                     attn_implementation=measured, trust_remote_code=trust_remote_code)
+    except KeyError as error:
+        # A model that picks its attention class by name from a table of its own (GPT-Neo) has no entry for the
+        # estimate's attention function, and its own flash attention class calls a kernel the meta device lacks.
+        if error.args != (MEASURED_FLASH_OR_FLEX,):
+            raise
+        raise ConfigError(f"{config.model_type} runs {attn_implementation} through an attention class of its own, "
+                          f"which the estimate cannot run on the meta device: estimate it with --attn_implementation "
+                          f"eager, an upper bound: eager keeps the L x L scores, which flash attention does not"
+                          ) from error
     _static_rotary_embeddings(model)
     if model.config._experts_implementation == "grouped_mm" and COMPUTE_DTYPE[mixed_precision] != torch.bfloat16:
         raise ConfigError(f"the activations are measured through transformers' grouped_mm experts, which take bf16 "

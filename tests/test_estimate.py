@@ -14,8 +14,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, GPT2Config, Gemma3Config,
-                          Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, LlamaConfig, MixtralConfig,
-                          Phi3Config, Qwen3Config, Qwen3MoeConfig, T5Config)
+                          Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, GPTNeoConfig,
+                          LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig, T5Config)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
@@ -305,6 +305,18 @@ def test_flash_and_flex_keep_no_scores_and_fp32_grouped_query_sdpa_does():
     mha = LlamaConfig(**{**SMALL, "num_key_value_heads": 4})
     assert per_token(mha, "sdpa", "no", 128) - per_token(mha, "sdpa", "no", 64) == 64 * 4
 
+
+
+def test_a_flash_attention_class_of_the_models_own_is_refused_with_eager_proposed():
+    # GPT-Neo picks its flash attention class by name from a table of its own, which has no entry for the estimate's
+    # attention function: the estimate stopped with "KeyError: 'fsdp_recipes_estimate_fused'".
+    config = GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=64,
+                          attention_types=[[["global", "local"], 1]])
+    assert config_error(measure_activations, config, "bf16", 2, 64, "flash_attention_2") == (
+        "gpt_neo runs flash_attention_2 through an attention class of its own, which the estimate cannot run on the "
+        "meta device: estimate it with --attn_implementation eager, an upper bound: eager keeps the L x L scores, "
+        "which flash attention does not")
+    assert len(measure_activations(config, "bf16", 2, 64, "eager").per_layer) == 2
 
 class PeakBytes(TorchDispatchMode):
     """The most bytes held at once by `held` and by the tensors that the ops run under this mode make, forward and
