@@ -585,9 +585,10 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.model, args.trust_remote_code, args.label["model"])
     check_causal_lm(config, f"{args.label['model']} {args.model}")
     check_loads_whole(config, f"{args.label['model']} {args.model}")
-    allowed = exact_attention(config)
-    if allowed and args.attn_implementation not in allowed:
-        raise ConfigError(f"{config.model_type} needs attention with soft-capping: pass --attn_implementation "
+    exact = exact_attention(config)
+    if exact and args.attn_implementation not in exact[0]:
+        allowed, what = exact
+        raise ConfigError(f"{config.model_type} needs attention with {what}: pass --attn_implementation "
                           f"{' or '.join(a for a in allowed if a in ATTENTION)} (see fsdp_recipes/families.py), not "
                           f"{args.attn_implementation}")
     check_attention_implemented(args.attn_implementation, config)

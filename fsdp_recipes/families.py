@@ -20,13 +20,19 @@ from .new_recipe import INSTALLED, PROJECT_RECIPES, generic_recipe, recipe_advic
 # kernel takes no softcap (modeling_flash_attention_utils, 5.24). sdpa skips it (transformers 5.17; later versions
 # refuse it), and a Hub kernel (org/repo) may register an attention function of its own, which no check covers.
 SOFT_CAPPING_ATTENTION = ("eager", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+# Falcon's ALiBi (Falcon-RW) is a bias added to the attention mask, which no flash kernel takes: transformers refuses
+# flash attention for it only at the first forward, once the model is loaded. Falcon implements no flex_attention.
+ALIBI_ATTENTION = ("eager", "sdpa")
 
 
-def exact_attention(config) -> tuple[str, ...] | None:
-    """The attention implementations that compute this model exactly (None: any), checked by every recipe (the
-    generic sft.py too); a recipe's MODEL_TYPES may narrow them further."""
-    if getattr(config.get_text_config(), "attn_logit_softcapping", None) is not None:
-        return SOFT_CAPPING_ATTENTION
+def exact_attention(config) -> tuple[tuple[str, ...], str] | None:
+    """The attention implementations that compute this model exactly, and what needs them (None: any), checked by
+    every recipe (the generic sft.py too) and the memory estimate; a recipe's MODEL_TYPES may narrow them further."""
+    text_config = config.get_text_config()
+    if getattr(text_config, "attn_logit_softcapping", None) is not None:
+        return SOFT_CAPPING_ATTENTION, "soft-capping"
+    if text_config.model_type == "falcon" and getattr(text_config, "alibi", False):
+        return ALIBI_ATTENTION, "ALiBi"
     return None
 
 
@@ -116,8 +122,9 @@ def check_model_type(cfg: TrainConfig, model_types: dict[str, tuple[str, ...] | 
             print(f"note: {family[0]} trains {config.model_type} models with its family's defaults (its YAML config "
                   f"in {os.path.join(os.path.dirname(family[0]), 'configs')}); {os.path.basename(recipe)} trains it "
                   f"with the config given here", flush=True)
-    _check_attention(cfg, config.model_type, exact_attention(config), "fsdp_recipes/families.py: attention "
-                     "soft-capping")
+    exact = exact_attention(config)
+    if exact:
+        _check_attention(cfg, config.model_type, exact[0], f"fsdp_recipes/families.py: attention {exact[1]}")
     if model_types is not None:
         _check_attention(cfg, config.model_type, model_types[config.model_type], os.path.basename(recipe))
     check_attention_implemented(cfg.attn_implementation, config)

@@ -35,7 +35,7 @@ from fsdp_recipes.trainer import train
 # ---- What this recipe holds of its own (the rest of the file is shared) ----
 # config.json's model_type values this recipe trains, each with the attention implementations that compute the
 # model exactly; None: every model type, with the attention implementations that fsdp_recipes/families.py's
-# exact_attention allows for it (attention soft-capping, as Gemma 2's: not sdpa).
+# exact_attention allows for it (Gemma 2's attention soft-capping: not sdpa; Falcon's ALiBi: no flash attention).
 MODEL_TYPES = None
 # ---- Shared by every recipe (tests/test_recipes.py keeps it identical, so a fix reaches them all) ----
 

@@ -685,6 +685,25 @@ def config_error(function, *args) -> str | None:
     return None
 
 
+
+def test_alibi_falcon_with_flash_attention_is_refused_as_the_run_refuses_it(tmp_path):
+    # Falcon-RW's ALiBi is added to the attention mask, which flash attention does not take: the estimate stopped with
+    # "AttributeError: 'NoneType' object has no attribute 'dtype'", and the run stops at its first forward, once the
+    # model is loaded. Both now refuse it at start.
+    falcon = AutoConfig.for_model("falcon", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  alibi=True, new_decoder_architecture=False, multi_query=True, parallel_attn=True)
+    falcon.save_pretrained(tmp_path / "falcon")
+    estimate_refusal = config_error(main, ["--model", str(tmp_path / "falcon"), "--num_gpus", "2", "--seq_len", "64",
+                                           "--attn_implementation", "flash_attention_2"])
+    assert estimate_refusal == ("falcon needs attention with ALiBi: pass --attn_implementation eager or sdpa (see "
+                                "fsdp_recipes/families.py), not flash_attention_2")
+    run = ["--config", "recipes/configs/sft.yaml", "--model_name_or_path", str(tmp_path / "falcon"), "--dataset_name",
+           "d", "--attn_implementation", "flash_attention_2"]
+    assert config_error(check_model_type, parse_config(run), None, "recipes/sft.py") == (
+        "falcon models need attn_implementation eager or sdpa (see fsdp_recipes/families.py: attention ALiBi), got "
+        "flash_attention_2")
+    assert config_error(main, ["--model", str(tmp_path / "falcon"), "--num_gpus", "2", "--seq_len", "64"]) is None
+
 def test_pure_bf16_is_refused_for_a_weight_kept_in_fp32_as_the_run_refuses_it(tmp_path):
     config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "deepseek")
