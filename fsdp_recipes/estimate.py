@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import weakref
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
                           PretrainedConfig, PreTrainedModel)
 from transformers import masking_utils
+from transformers.integrations import hub_kernels
 from transformers.masking_utils import flash_attention_mask
 
 from .cli import run_main
@@ -158,12 +160,14 @@ class SavedActivations:
     keeps), and the names of the parameters the forward used: only those get gradients and AdamW states.
     With fsdp_transformer_layer_cls_to_wrap naming classes inside the decoder layers (their MLPs), per_layer is per
     unit, and `outside` what the decoder layers save outside the units (their attention), which no unit's
-    activation checkpointing recomputes."""
+    activation checkpointing recomputes. `stand_ins`: the kernel packages (mamba-ssm) whose PyTorch stand-ins in
+    transformers ran, as they do on a GPU without them."""
     tokens: int
     per_layer: tuple[int, ...]
     layer_input: int
     trained: frozenset[str]
     outside: int
+    stand_ins: frozenset[str] = frozenset()
 
 
 class _FusedAttentionSaves(torch.autograd.Function):
@@ -260,7 +264,7 @@ def measure_activations(config: PretrainedConfig, mixed_precision: str, batch: i
     packed, full = (_saved_per_layer(model, batch, seq_len, layout, layer_names) for layout in ("packed", "full"))
     return SavedActivations(batch * seq_len, tuple(map(max, packed.per_layer, full.per_layer)),
                             max(packed.layer_input, full.layer_input), packed.trained | full.trained,
-                            max(packed.outside, full.outside))
+                            max(packed.outside, full.outside), packed.stand_ins | full.stand_ins)
 
 
 def _used_parameters(model: nn.Module, output: torch.Tensor) -> frozenset[str]:
@@ -294,6 +298,7 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     decoder_layers = [layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
                       if id(layer) not in units and any(id(sub) in units for sub in layer.modules())]
     saves: list[tuple[weakref.ref, int | None]] = []  # each tensor saved while a unit ran, and that unit (None: none)
+    fallbacks: list[str] = []  # transformers' word each time a kernel package's PyTorch stand-in runs
     inputs: list[int] = []
     running: list[int] = []  # the index of the unit whose forward is running
     in_decoder_layer: list[int] = []  # one entry per decoder layer whose forward is running
@@ -343,6 +348,9 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
               # A model that builds an all-ones attention mask itself (BioGPT) reads it to skip the mask: the batches
               # measured have no padding.
               mock.patch.object(masking_utils, "fast_all", lambda tensor: True),
+              # Kernel packages (mamba-ssm) run on CUDA only: on the meta device their PyTorch stand-ins run, and
+              # transformers says so, once a process; each time here, to name them.
+              mock.patch.object(hub_kernels.logger, "warning_once", lambda message, *args: fallbacks.append(message)),
               torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed.tensor)):
             logits = model(input_ids=input_ids, use_cache=False, **extra).logits
     finally:
@@ -361,8 +369,10 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
                 outside += storage.nbytes()
             else:
                 saved[index] += storage.nbytes()
+    # "`mamba_inner_fn` is falling back to its reference PyTorch implementation because `mamba-ssm` is ..."
+    stand_ins = frozenset(re.sub(r".*? because `([^`]+)`.*", r"\1", message, flags=re.S) for message in fallbacks)
     return SavedActivations(batch * seq_len, tuple(saved[i] for i in sorted(ran)), max(inputs),
-                            _used_parameters(model, logits), outside)
+                            _used_parameters(model, logits), outside, stand_ins)
 
 
 def estimate(model: nn.Module, setting: Setting, num_gpus: int, num_nodes: int, mixed_precision: str,
@@ -599,6 +609,12 @@ def main(argv: list[str] | None = None) -> None:
     args.units = [cls.__name__ for cls in find_layer_classes(model, args.layer_names)]
     saved = measure_activations(config, args.mixed_precision, args.batch, args.seq_len, args.attn_implementation,
                                 args.trust_remote_code, args.units)
+    if saved.stand_ins:
+        # mamba-ssm's scan keeps no state per token for backward; transformers' PyTorch scan keeps several (fp32).
+        args.notes.append(f"note: the activations are measured through transformers' PyTorch code in place of the "
+                          f"CUDA kernels of {', '.join(sorted(saved.stand_ins))}, as a GPU without them runs; with "
+                          f"those installed, these layers keep less for backward (Mamba's scan far less): an upper "
+                          f"bound")
     print("\n".join([*args.notes, format_report(model, args, saved)]))
 
 

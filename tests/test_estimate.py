@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import (AutoConfig, AutoModelForCausalLM, BioGptConfig, Gemma2Config, GPT2Config, Gemma3Config,
                           Gemma3TextConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, GPTNeoConfig,
-                          LlamaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig, T5Config)
+                          LlamaConfig, MambaConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig, T5Config)
 
 from conftest import REPO, run, torchrun
 from fsdp_recipes.config import ConfigError, parse_config
@@ -317,6 +317,22 @@ def test_a_flash_attention_class_of_the_models_own_is_refused_with_eager_propose
         "meta device: estimate it with --attn_implementation eager, an upper bound: eager keeps the L x L scores, "
         "which flash attention does not")
     assert len(measure_activations(config, "bf16", 2, 64, "eager").per_layer) == 2
+
+
+def test_layers_measured_through_the_pytorch_stand_ins_of_cuda_kernels_are_named(tmp_path, capsys):
+    # Mamba's layers call mamba-ssm's and causal-conv1d's CUDA kernels where installed; on the meta device
+    # transformers' PyTorch code stands in (Mamba's scan keeps fp32 states per token), and its figure, an upper bound,
+    # was printed as measured without a word. Only once a process does transformers say so itself.
+    mamba = MambaConfig(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    for _ in range(2):
+        assert measure_activations(mamba, "bf16", 1, 16, "eager").stand_ins == {"causal_conv1d", "mamba_ssm"}
+    main(["--model", str(write_config(tmp_path / "mamba.json", mamba.to_dict())), "--num_gpus", "2", "--seq_len", "16",
+          "--attn_implementation", "eager"])
+    assert capsys.readouterr().out.startswith(
+        "note: the activations are measured through transformers' PyTorch code in place of the CUDA kernels of "
+        "causal_conv1d, mamba_ssm, as a GPU without them runs; with those installed, these layers keep less for "
+        "backward (Mamba's scan far less): an upper bound\nmodel: MambaForCausalLM, ")
+    assert measure_activations(LlamaConfig(**SMALL), "bf16", 1, 16, "sdpa").stand_ins == frozenset()
 
 class PeakBytes(TorchDispatchMode):
     """The most bytes held at once by `held` and by the tensors that the ops run under this mode make, forward and
