@@ -181,7 +181,10 @@ class _FusedAttentionSaves(torch.autograd.Function):
         # or not as it would q), and of v's width: DeepSeek V3's multi-head latent attention has a narrower v.
         output = torch.empty_like(query[..., :1].expand(*query.shape[:-1], value.shape[-1]))
         log_sum_exp = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-        bias = None if attn_mask is None else torch.empty(attn_mask.shape, dtype=query.dtype, device=query.device)
+        # A boolean mask becomes a new bias in each layer; a float one (Falcon's ALiBi) is kept as given, one tensor
+        # that every layer shares.
+        bias = attn_mask if attn_mask is None or attn_mask.is_floating_point() else \
+            torch.empty(attn_mask.shape, dtype=query.dtype, device=query.device)
         ctx.save_for_backward(query, key, value, output, log_sum_exp, bias)
         return output
 

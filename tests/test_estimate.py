@@ -250,6 +250,17 @@ def test_a_model_that_builds_its_own_attention_mask_is_measured(tmp_path, capsys
     assert capsys.readouterr().out.count("wrapping: BioGptForCausalLM declares no _no_split_modules") == 1
 
 
+
+def test_a_float_mask_that_every_layer_shares_is_counted_once():
+    # Falcon-RW's ALiBi reaches sdpa as one bf16 bias of B x heads x L x L that every layer's fused kernel keeps as
+    # given; a copy per layer was counted (512 bytes a token more per layer here: 23 GiB for Falcon-RW-1B at 4 x 2048).
+    config = AutoConfig.for_model("falcon", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  alibi=True, new_decoder_architecture=False, multi_query=False, parallel_attn=False)
+    saved = measure_activations(config, "bf16", 2, 64, "sdpa")
+    real = map(max, *(bytes_autograd_saves_per_layer(config, "sdpa", 2, 64, layout) for layout in ("packed", "full")))
+    # As GPT-2's: the 2 LayerNorms' statistics, fp32 on a GPU and the meta device, bf16 on the CPU.
+    assert [measured - cpu for measured, cpu in zip(saved.per_layer, real)] == [2 * 2 * 2 * 128] * 2
+
 def test_a_config_without_kv_cache_is_measured_alike():
     # Many fine-tuned checkpoints ship use_cache: false; on the meta device that path read tensor values.
     assert measure_activations(LlamaConfig(**SMALL, use_cache=False), "bf16", 2, 64, "sdpa") == \
