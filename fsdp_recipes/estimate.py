@@ -294,12 +294,14 @@ def _saved_per_layer(model: nn.Module, batch: int, seq_len: int, layout: str, la
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     layer_classes = find_layer_classes(model, layer_names)
     layers = [m for m in model.modules() if isinstance(m, layer_classes)]
-    # The decoder layers around units named inside them (their MLPs): the nn.ModuleLists' layers that hold a unit.
-    # What these save outside the units is kept too. Found by structure: a model whose units are named may have
-    # layer classes the recipe cannot find by itself.
+    # The decoder layers that are no unit: those around units named inside them (their MLPs), and those of a class
+    # not named beside one that is (Jamba's Mamba layers beside its attention layers), which the root unit holds:
+    # the other layers of each nn.ModuleList that holds a unit. What these save outside the units is kept too.
+    # Found by structure: a model whose units are named may have layer classes the recipe cannot find by itself.
     units = {id(layer) for layer in layers}
-    decoder_layers = [layer for m in model.modules() if isinstance(m, nn.ModuleList) for layer in m
-                      if id(layer) not in units and any(id(sub) in units for sub in layer.modules())]
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList)
+              and any(id(sub) in units for layer in m for sub in layer.modules())]
+    decoder_layers = [layer for stack in stacks for layer in stack if id(layer) not in units]
     saves: list[tuple[weakref.ref, int | None]] = []  # each tensor saved while a unit ran, and that unit (None: none)
     fallbacks: list[str] = []  # transformers' word each time a kernel package's PyTorch stand-in runs
     inputs: list[int] = []
