@@ -1807,11 +1807,12 @@ def test_a_resume_on_other_torch_or_transformers_versions_says_so(tiny, referenc
     capsys.readouterr()
     assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
     assert "library versions" not in capsys.readouterr().out
-    saved = {**state["versions"], "torch": "2.11.0+cu130", "transformers": "5.17.0", "datasets": "4.8.5"}
+    # Below the floors (requirements.txt): never the versions the suite runs on.
+    saved = {**state["versions"], "torch": "2.10.0+cu126", "transformers": "5.16.0", "datasets": "4.8.4"}
     (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "versions": saved}))
     assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
-    assert (f"resume: {checkpoint} was saved with other library versions (torch 2.11.0+cu130, now {torch.__version__}; "
-            f"transformers 5.17.0, now {transformers.__version__}): the weights, optimizer, RNG states and data "
+    assert (f"resume: {checkpoint} was saved with other library versions (torch 2.10.0+cu126, now {torch.__version__}; "
+            f"transformers 5.16.0, now {transformers.__version__}): the weights, optimizer, RNG states and data "
             f"position load exactly, but kernels that changed may round otherwise, so the losses from here can differ "
             f"from an uninterrupted run's in their last digits (see README, \"Checkpoints and resume\")"
             ) in capsys.readouterr().out.splitlines()
