@@ -53,7 +53,10 @@ def test_count_equals_torchs_count_of_a_forward_and_backward(config):
     ids = torch.randint(100, (2, 32))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=ids, labels=ids).loss.backward()
-    assert counter.get_total_flops() == training_flops_per_token(model, 32) * ids.numel()
+    # transformers 5.17's eager experts add 256 FLOPs per MoE layer and batch, whatever the tokens (measured at the
+    # floors; 0 in 5.25): no per-token work the count could miss.
+    assert counter.get_total_flops() == pytest.approx(training_flops_per_token(model, 32) * ids.numel(),
+                                                      abs=256 * config.num_hidden_layers, rel=0)
 
 
 def test_sliding_window_layers_attend_to_the_window_only():
