@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import os
 import signal
 from pathlib import Path
@@ -34,9 +35,18 @@ from .sharding import reshard
 
 # datasets keys a map's cache by its function's name and arguments, not by the code the function runs: the hash of
 # the data code goes into the arguments, so that changed code (a new version, an edited copy) tokenizes again
-# instead of reading what the old code wrote.
-DATA_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes()
-                                         for name in ("data.py", "data_formats.py", "data_sources.py"))).hexdigest()
+# instead of reading what the old code wrote; so do the versions of the libraries that turn text into tokens
+# (a tokenizer's pickle, which datasets hashes too, can stay the same when their output does not).
+TOKENIZING_LIBRARIES = ("transformers", "tokenizers", "jinja2")  # jinja2 renders chat templates
+
+
+def data_code_hash(code: bytes, versions: dict[str, str]) -> str:
+    return hashlib.sha256(code + repr(sorted(versions.items())).encode()).hexdigest()
+
+
+DATA_CODE_HASH = data_code_hash(
+    b"".join((Path(__file__).parent / name).read_bytes() for name in ("data.py", "data_formats.py", "data_sources.py")),
+    {name: importlib.metadata.version(name) for name in TOKENIZING_LIBRARIES})
 
 # int32 token ids, labels and positions: half the cache of the int64 that Arrow infers from Python ints.
 TOKEN_LIST = datasets.List(datasets.Value("int32"))

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gzip
 import inspect
+import importlib.metadata
 import json
 import lzma
 import os
@@ -15,6 +16,7 @@ import socket
 import string
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import huggingface_hub
@@ -1588,6 +1590,16 @@ def test_tokenization_runs_once_then_comes_from_the_cache(tmp_path, capfd, monke
     third, _ = build_datasets(cfg(tmp_path / "d.jsonl", packing=True), TOKENIZER)
     assert "Tokenizing" in capfd.readouterr().err
     assert first.cache_files != third.cache_files and list(first["input_ids"]) == list(third["input_ids"])
+
+
+def test_the_tokenization_cache_key_holds_the_tokenizing_libraries_versions():
+    """Another transformers, tokenizers or jinja2 (chat templates) may tokenize the same text otherwise."""
+    code = b"".join((Path(data_module.__file__).parent / name).read_bytes()
+                    for name in ("data.py", "data_formats.py", "data_sources.py"))
+    installed = {name: importlib.metadata.version(name) for name in ("transformers", "tokenizers", "jinja2")}
+    assert data_module.DATA_CODE_HASH == data_module.data_code_hash(code, installed)
+    keys = {data_module.data_code_hash(code, {**installed, name: "0.0.1"}) for name in installed}
+    assert len(keys) == 3 and data_module.DATA_CODE_HASH not in keys
 
 
 def test_the_cache_holds_token_ids_labels_and_positions_as_int32(tmp_path):
