@@ -18,7 +18,9 @@ def config(*args):
 
 
 def test_warmup_steps_count_as_transformers_counts_them(tmp_path):
-    for warmup, total_steps in [("0", 5), ("0.03", 4), ("0.03", 100), ("0.03", 101), ("0.5", 7), ("2", 3), ("50", 51)]:
+    # "1" is one step, not the whole run: the boundary between a fraction and a number of steps.
+    for warmup, total_steps in [("0", 5), ("0.03", 4), ("0.03", 100), ("0.03", 101), ("0.5", 7), ("1", 10), ("2", 3),
+                                ("50", 51)]:
         reference = TrainingArguments(output_dir=str(tmp_path), warmup_steps=float(warmup), report_to="none")
         assert config("--warmup_steps", warmup).num_warmup_steps(total_steps) == reference.get_warmup_steps(total_steps)
     # The shipped fine-tuning YAMLs give 3% of the run: 1 step of 4, 30 of 1,000; none of a 1-step smoke test.
