@@ -199,16 +199,17 @@ def test_eval_loss_is_the_mean_over_label_tokens_from_position_1_counted_by_hand
 
 def test_throughput_counts_the_steps_since_the_last_log(tiny, tmp_path, one_process_group, monkeypatch):
     """logging_steps 2: each logged tokens/s is the input tokens of the 2 steps since the previous log over their
-    time, not a running total since the start. The trainer's clock ticks 1 s per reading: each step takes 1 s."""
+    time, not a running total since the start. The trainer's clock ticks 1 s per reading: each step takes 1 s. The
+    last step (5) is logged too, though not a multiple of logging_steps, over the one step since step 4."""
     cfg = parse_config([str(arg) for arg in [
         "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
-        "--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", "4", "--mixed_precision", "no",
+        "--max_steps", "5", "--logging_steps", "2", "--per_device_train_batch_size", "4", "--mixed_precision", "no",
         "--max_seq_length", "64"]])
     tokenizer = load_tokenizer(cfg)
     train_data, _ = build_datasets(cfg, tokenizer)
     loader = build_dataloader(train_data, cfg, tokenizer, rank=0, world_size=1, pin_memory=False)
     stream = optimizer_step_batches(loader, cfg.gradient_accumulation_steps)
-    input_tokens = [sum(int(mb["attention_mask"].sum()) for mb in next(stream)) for _ in range(6)]
+    input_tokens = [sum(int(mb["attention_mask"].sum()) for mb in next(stream)) for _ in range(5)]
     assert len(set(input_tokens)) > 2  # steps of other lengths: a running mean would differ
     clock = itertools.count()
     monkeypatch.setattr(trainer, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
@@ -217,8 +218,9 @@ def test_throughput_counts_the_steps_since_the_last_log(tiny, tmp_path, one_proc
     trainer.train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True))
     logged = read_metrics(tmp_path / "metrics.jsonl")
     assert [(m["step"], m["input_tokens"], m["step_time"]) for m in logged] == [
-        (2, input_tokens[1], 1.0), (4, input_tokens[3], 1.0), (6, input_tokens[5], 1.0)]
-    assert [m["tokens_per_second"] for m in logged] == [(input_tokens[k] + input_tokens[k + 1]) / 2 for k in (0, 2, 4)]
+        (2, input_tokens[1], 1.0), (4, input_tokens[3], 1.0), (5, input_tokens[4], 1.0)]
+    assert [m["tokens_per_second"] for m in logged] == [
+        (input_tokens[0] + input_tokens[1]) / 2, (input_tokens[2] + input_tokens[3]) / 2, input_tokens[4] / 1]
 
 
 def test_the_training_line_counts_the_global_batch_of_every_rank():
