@@ -254,8 +254,9 @@ def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny,
 
 
 def test_an_evaluation_between_steps_leaves_the_training_steps_as_they_were(tiny, tmp_path, one_process_group):
-    """With attention dropout, the losses of a run evaluated after every step equal those of the run without
-    evaluation: evaluation puts the model back in training mode (dropout on) and draws nothing from the RNG."""
+    """With attention dropout, the losses of a run evaluated after step 2 and after its last step (3, not a multiple
+    of eval_steps) equal those of the run without evaluation: evaluation puts the model back in training mode
+    (dropout on) and draws nothing from the RNG."""
     model_dir = write_tiny_model(tmp_path / "model", dtype=torch.float32, hidden_size=64, intermediate_size=128,
                                  num_hidden_layers=2, attention_dropout=0.5)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -265,7 +266,7 @@ def test_an_evaluation_between_steps_leaves_the_training_steps_as_they_were(tiny
         cfg = parse_config([str(arg) for arg in [
             "--model_name_or_path", model_dir, "--dataset_name", tiny["data"], "--output_dir", out,
             "--max_steps", "3", "--per_device_train_batch_size", "4", "--mixed_precision", "no", "--max_seq_length",
-            "64", "--eval_fraction", "0.07", "--eval_steps", "1", "--logging_steps", "1"]])
+            "64", "--eval_fraction", "0.07", "--eval_steps", "2", "--logging_steps", "1"]])
         tokenizer = load_tokenizer(cfg)
         train_data, eval_data = build_datasets(cfg, tokenizer)
         model = shard_model(load_model(cfg), resolve_plan(cfg))
@@ -273,7 +274,7 @@ def test_an_evaluation_between_steps_leaves_the_training_steps_as_they_were(tiny
         trainer.train(cfg, env, model, tokenizer, train_data, MetricsLogger(cfg, is_main=True), None,
                       eval_data if evaluated else None)
         metrics = read_metrics(out / "metrics.jsonl")
-        assert sum("eval/loss" in m for m in metrics) == (3 if evaluated else 0)
+        assert [m["step"] for m in metrics if "eval/loss" in m] == ([2, 3] if evaluated else [])
         losses[evaluated] = [m["loss"] for m in metrics if "loss" in m]
     assert losses[True] == losses[False]
 
