@@ -234,11 +234,12 @@ def test_the_training_line_counts_the_global_batch_of_every_rank():
 
 
 def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny, tmp_path, one_process_group, capsys):
-    """42 sequences in global batches of 4 x 2 (accumulation): an epoch is 5 optimizer steps (2 sequences left out),
-    so step 6 is logged as epoch 1.2 and checkpoint-5, the last step of the first epoch, records 1 epoch done."""
+    """41 sequences in global batches of 4 x 2 (accumulation): an epoch is 5 optimizer steps (1 sequence left out),
+    so step 6 is logged as epoch 1.2. A checkpoint records the whole epochs done: none before checkpoint-5, the last
+    step of the first epoch, then 1."""
     cfg = parse_config([str(arg) for arg in [
         "--model_name_or_path", tiny["model"], "--dataset_name", tiny["data"], "--output_dir", tmp_path,
-        "--max_steps", "6", "--save_steps", "5", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+        "--max_steps", "6", "--save_steps", "1", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
         "2", "--mixed_precision", "no", "--max_seq_length", "64"]])
     tokenizer = load_tokenizer(cfg)
     train_data = build_datasets(cfg, tokenizer)[0].select(range(41))
@@ -249,8 +250,8 @@ def test_epoch_counts_optimizer_steps_of_the_global_batches_an_epoch_fills(tiny,
             "sequences (the 1 that does not fill a global batch of 8 is left out, others each epoch)"
             in capsys.readouterr().out)
     assert [m["epoch"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [step / 5 for step in range(1, 7)]
-    for step in (5, 6):
-        assert json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())["epoch"] == 1
+    assert [json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())["epoch"]
+            for step in range(1, 7)] == [0, 0, 0, 0, 1, 1]
 
 
 def test_an_evaluation_between_steps_leaves_the_training_steps_as_they_were(tiny, tmp_path, one_process_group):
