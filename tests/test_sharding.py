@@ -126,6 +126,17 @@ def test_clipping_scales_the_global_norm_to_max_grad_norm(runs, name):
         assert abs(rank["clipped_grad_norm"] - rank["grad_norm"] / 4) <= 1e-5 * rank["grad_norm"]
 
 
+def test_weight_decay_groups_hold_the_parameters_of_the_unsharded_model(runs):
+    """FSDP1's FULL_SHARD parameters are 1-D slices on 2 ranks: which decay goes by the shapes before sharding, so
+    every engine's groups (weight decay, parameter count) are the unsharded model's (one process cannot show it: FSDP1
+    turns NO_SHARD there, and DTensors keep their shapes)."""
+    for name in [*PARITY, *BF16, *TIED]:
+        reference = runs["unsharded_tied" if "tied" in name else "unsharded"]["ranks"][0]["optimizer_groups"]
+        assert len(reference) == 2  # decayed and not: a single group would not tell the two apart
+        for rank in runs[name]["ranks"]:
+            assert rank["optimizer_groups"] == reference, name
+
+
 @pytest.mark.parametrize("name", BF16)
 def test_bf16_stays_close_to_fp32(runs, name):
     deviation = max_relative_deviation(runs[name]["losses"], runs["unsharded"]["losses"])

@@ -118,7 +118,8 @@ def held_bytes(model, cfg, env, batch) -> dict:
             "param_devices": sorted({p.device.type for p in params}),
             "params_pinned": all(p.is_pinned() for p in params) if torch.cuda.is_available() else False,
             "layer_forward_calls": len(calls), "grad_norm": grad_norm.item(),
-            "clipped_grad_norm": clipped_grad_norm.item(), "gpu_bytes_copied_for_sharded_save": copied}
+            "clipped_grad_norm": clipped_grad_norm.item(), "gpu_bytes_copied_for_sharded_save": copied,
+            "optimizer_groups": [[g["weight_decay"], len(g["params"])] for g in optimizer.param_groups]}
 
 
 def checkpoint_facts(model) -> dict:
