@@ -27,6 +27,9 @@ _RUN_OUTPUTS = ("latest", "latest.tmp", "final", "final.tmp", "final.old", "metr
                 "samples.jsonl", "samples.jsonl.tmp")
 
 
+_MARKER_PREFIX = ".shared_check_"  # the name of the file check_shared_output_dir writes, before its token
+
+
 def check_shared_output_dir(out: str) -> None:
     """Rank 0 creates `out` and writes a random token into it, which every rank must read back: with per-node disks
     (or a stale view of a network file system) the ranks would resolve `latest` to different checkpoints, and a save
@@ -44,9 +47,14 @@ def check_shared_output_dir(out: str) -> None:
             if in_use:
                 sent[0] = (None, in_use)
             else:
+                # A run killed between writing its file and removing it left one behind: stale, as this run holds the
+                # lock.
+                for name in os.listdir(out):
+                    if name.startswith(_MARKER_PREFIX):
+                        os.remove(os.path.join(out, name))
                 token = secrets.token_hex(16)
                 # A new name each run: no cached lookup of an earlier run's file (network file systems) can answer.
-                with open(os.path.join(out, f".shared_check_{token}"), "w") as f:
+                with open(os.path.join(out, f"{_MARKER_PREFIX}{token}"), "w") as f:
                     f.write(token)
                 sent[0] = (token, None)
         except OSError as error:
@@ -60,7 +68,7 @@ def check_shared_output_dir(out: str) -> None:
     token, failure = sent[0]
     if failure:
         raise ConfigError(failure)
-    marker = os.path.join(out, f".shared_check_{token}")
+    marker = os.path.join(out, f"{_MARKER_PREFIX}{token}")
     try:
         with open(marker) as f:
             seen = None if f.read() == token else "other content in the file rank 0 wrote"

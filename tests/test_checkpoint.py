@@ -1498,6 +1498,17 @@ def test_an_output_dir_that_cannot_be_written_is_refused_at_once(tmp_path, one_p
         prepare_output_dir(config(tmp_path / "a_file"))
     assert str(error.value) == f"output_dir {tmp_path}/a_file is a file, not a folder: choose another output_dir"
     assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_the_shared_file_system_check_removes_a_file_a_killed_run_left(tmp_path, one_process_group):
+    """A run killed between writing its check file (a new name each run) and removing it left it in output_dir for
+    good; the next run, holding the lock, removes it (found by a kill at a random file operation)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".shared_check_0123abcd").write_text("0123abcd")
+    (out / "notes.shared_check_txt").write_text("mine")
+    prepare_output_dir(config(out))
+    assert sorted(os.listdir(out)) == [".run.lock", "notes.shared_check_txt"]
     with file_size_limit(0), pytest.raises(ConfigError) as error:  # a full disk: no other user or file system needed
         prepare_output_dir(config(tmp_path / "full"))
     assert re.fullmatch(f"output_dir {tmp_path}/full cannot be created or written \\(OSError: \\[Errno 27\\] File too "
