@@ -30,10 +30,10 @@ demo: $(STAMP)
 		--min_accuracy 0.9
 
 # The tests' temporary folders go in .pytest_tmp beside the checkout (removed at the next run), not in /tmp.
-# Two workers: a 2-process test leaves a third of 2 cores idle (launchers, rank 0's work alone), which the other
-# worker's test fills; loadgroup keeps the tests of one costly module fixture on one worker (tests/conftest.py).
+# Two pytest-xdist workers: a 2-process test leaves a third of 2 cores idle (launchers, rank 0's work alone), which
+# the other worker's test fills.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=10 --basetemp=.pytest_tmp tests
+	$(BIN)/python -m pytest -q -n 2 --durations=10 --basetemp=.pytest_tmp tests
 
 # Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml (a hyphen
 # in MODEL becomes an underscore in the file names).

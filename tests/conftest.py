@@ -31,16 +31,6 @@ from fsdp_recipes import demo
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Module fixtures that train or measure for several seconds (test_sharding's runs: 40 s). Under `make test`'s 2 xdist
-# workers, a module's tests that use one of them go to one worker, so that it is built once.
-COSTLY_MODULE_FIXTURES = {"runs", "observed", "references", "held"}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if COSTLY_MODULE_FIXTURES & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
 
 def load_bench(name: str):
     """The benchmark script bench/<name>.py as a module (bench/ is no package)."""
