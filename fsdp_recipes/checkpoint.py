@@ -455,6 +455,9 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             for folder, _, _ in os.walk(tmp, topdown=False):
                 fsync(folder)  # its entries: the names of the files in it
             replace_dir(tmp, final)
+
+    def make_latest_name_it():
+        if rank == 0:
             fsync(cfg.output_dir)  # the rename
             write_latest(cfg.output_dir, os.path.basename(final))
             apply_retention(cfg, step)
@@ -479,6 +482,7 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
     del write_optimizer
     _write_on_every_rank(write_own_files, tmp, cfg)
     _write_on_every_rank(finish, tmp, cfg)
+    _write_on_every_rank(make_latest_name_it, tmp, cfg, saved=final)
     print_line(f"saved {final} ({fmt})")
     return final
 
@@ -493,10 +497,11 @@ def files_outside(root: str, subfolders: tuple[str, ...]) -> list[str]:
     return sorted(found)
 
 
-def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) -> None:
+def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig, saved: Optional[str] = None) -> None:
     """Run this rank's part of a save; then every rank learns whether any rank failed, and all raise the same
     CheckpointError. A full disk shows up as torch's "unexpected pos" or DCP's CheckpointException, which do not
-    say so: the error gives the space left."""
+    say so: the error gives the space left. `saved`: the complete checkpoint, for a part that runs after its rename
+    (it is kept, and the error names it)."""
     failure, report = None, None
     try:
         write()
@@ -520,9 +525,14 @@ def _write_on_every_rank(write: Callable[[], None], tmp: str, cfg: TrainConfig) 
     if failed:
         # Every rank has stopped writing: the unfinished save would only hold the room the error asks for (a full
         # disk stays full, and the space it reports leaves out what the save took).
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and saved is None:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=long_wait_group())  # every rank then reports the same space
+        if saved is not None:
+            raise CheckpointError(f"the checkpoint {saved} is complete, but making `latest` name it failed "
+                                  f"({'; '.join(failed)}), with {space_left(cfg.output_dir)}: "
+                                  f"{_save_failure_remedy(reports, cfg)}, then resume with --resume_from_checkpoint "
+                                  f"{saved} (`latest` still names the previous checkpoint, if any)") from failure
         raise CheckpointError(f"writing the checkpoint {tmp} failed ({'; '.join(failed)}), with "
                               f"{space_left(cfg.output_dir)} (its unfinished folder removed): "
                               f"{_save_failure_remedy(reports, cfg)}, "

@@ -153,6 +153,13 @@ def test_retention_latest_and_layout(reference):
     assert state["wandb_run_id"] and wandb_run.name.endswith("-" + state["wandb_run_id"])
 
 
+def training_state(cfg):
+    """The sharded model, its optimizer and a cosine schedule of 6 steps, as a recipe builds them for `cfg`."""
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    optimizer = build_optimizer(model, cfg)
+    return model, optimizer, get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+
+
 def can_mount_a_tmpfs() -> bool:
     return os.geteuid() == 0 and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
 
@@ -191,9 +198,7 @@ def test_a_rank_out_of_memory_in_the_weight_gather_stops_with_that_error(tiny, t
 def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one_process_group, monkeypatch):
     """SMB and some FUSE and Ceph mounts refuse to fsync a folder (EINVAL); they keep its entries themselves."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     fsync = os.fsync
 
     def fsync_files_only(fd):
@@ -230,9 +235,7 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
     """DCP wraps every exception of a write, Ctrl-C's KeyboardInterrupt too: it was reported as a failed write
     ("make room"), exit 2 as for a config error."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     monkeypatch.setattr(FileSystemWriter, "write_data", after_ctrl_c(FileSystemWriter.write_data))
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
@@ -242,9 +245,7 @@ def test_ctrl_c_during_a_save_stops_the_run_as_an_interrupt(tiny, tmp_path, one_
 def save_failing_at_the_rng_file(cfg, monkeypatch, error: Exception) -> str:
     """The error of a save whose write of rank 0's RNG file raises `error` (DCP's own writes go through torch.save
     too), with nothing else left in output_dir."""
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     save = torch.save
 
     def failing_at_the_rng_file(obj, file, *args, **kwargs):
@@ -300,6 +301,32 @@ def test_a_save_the_file_system_refuses_says_to_fix_that_not_to_make_room(tiny, 
         assert _save_failure_remedy(reports, cfg).startswith("make room (")
 
 
+def test_a_failed_latest_write_keeps_the_complete_checkpoint_and_names_it(tiny, tmp_path, one_process_group,
+                                                                          monkeypatch):
+    """The checkpoint is renamed into place before `latest` is written: a failure there was reported as a failed
+    save whose unfinished folder was removed, while the complete checkpoint stayed (auto resumed from an older one)."""
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model, optimizer, scheduler = training_state(cfg)
+    replace = os.replace
+
+    def full_disk_at_latest(src, dst):
+        if os.path.basename(dst) == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk_at_latest)
+    with pytest.raises(CheckpointError) as failed:
+        save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    assert re.fullmatch(
+        f"the checkpoint {tmp_path}/checkpoint-2 is complete, but making `latest` name it failed \\(rank 0: OSError: "
+        f"\\[Errno 28\\] No space left on device: '{tmp_path}/latest'\\), with [0-9.,]+ MiB free on the file system "
+        f"of {tmp_path}: make room \\(or set --save_total_limit: every checkpoint is kept\\), then resume with "
+        f"--resume_from_checkpoint {tmp_path}/checkpoint-2 \\(`latest` still names the previous checkpoint, if "
+        f"any\\)", str(failed.value)), str(failed.value)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "latest.tmp"]
+    assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
+
+
 def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path, one_process_group):
     # Same size, other bytes (bit rot, a copy that went wrong): DCP's own error named no file, and escaped run_main.
     checkpoint = tmp_path / "checkpoint-6"
@@ -307,9 +334,7 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
     with open(checkpoint / "optimizer" / "__0_0.distcp", "r+b") as f:
         f.write(bytes(4096))
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path / "out")])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(str(checkpoint), model, optimizer, scheduler)
     assert str(error.value).startswith(f"{checkpoint}/optimizer cannot be read (rank 0: UnpicklingError: ")
@@ -351,9 +376,7 @@ def test_a_parameter_that_had_no_gradient_resumes_without_optimizer_state(tiny, 
     activation checkpointing too (FSDP1's wrapper outside its units made torch name them so that none loaded)."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--fsdp_version", fsdp_version,
                                                         "--fsdp_activation_checkpointing", checkpointing)])
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     # A whole FSDP unit, as a vision tower's layers (FSDP1 cannot save state for part of a unit's flat parameter).
     unused = {name for name, _ in model.named_parameters() if ".layers.1." in state_dict_name(name)}
     for name, param in model.named_parameters():
@@ -490,9 +513,7 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full",
                                                         "--save_total_limit", "1")])
     (tmp_path / "checkpoint-1").mkdir()  # the one retention removes
-    model = shard_model(load_model(cfg), resolve_plan(cfg))
-    optimizer = build_optimizer(model, cfg)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=6)
+    model, optimizer, scheduler = training_state(cfg)
     tokenizer = load_tokenizer(cfg)  # with a named chat template: the tokenizer writes it into a folder of its own
     tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": "{{ tools }}"}
     events = record_fsync_and_replace(monkeypatch)
