@@ -31,9 +31,9 @@ demo: $(STAMP)
 
 # The tests' temporary folders go in .pytest_tmp beside the checkout (removed at the next run), not in /tmp.
 # Two pytest-xdist workers: a 2-process test leaves a third of 2 cores idle (launchers, rank 0's work alone), which
-# the other worker's test fills.
+# the other worker's test fills. By file (loadfile): a module's costly fixtures (test_sharding's runs) are built once.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --durations=10 --basetemp=.pytest_tmp tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=10 --basetemp=.pytest_tmp tests
 
 # Standard library only, so no venv: writes $(RECIPES_DIR)/<MODEL>_sft.py and configs/<MODEL>_sft.yaml (a hyphen
 # in MODEL becomes an underscore in the file names).
