@@ -415,6 +415,20 @@ def sharded_model_state_dict(model: nn.Module) -> dict:
     return get_model_state_dict(model, options=save_options(model))
 
 
+# The sharding plan's settings that change how a step is computed (its rounding), not what it trains.
+_COMPUTE_PLAN_KEYS = ("fsdp_version", "mixed_precision", "offload_params", "torch_compile", "gradient_sync")
+
+
+def compute_settings(model: nn.Module) -> dict:
+    """How `model` computes a step, beyond the batch layout: its attention kernel and, where shard_model recorded it
+    (model.sharding_plan), the engine, mixed precision, optimizer offload, compile and gradient sync. A resume may
+    change them (resume.report_other_computation)."""
+    unwrapped = model.module if isinstance(model, FSDP) else model
+    plan = getattr(model, "sharding_plan", None)
+    return {"attn_implementation": unwrapped.config._attn_implementation,
+            **({k: getattr(plan, k) for k in _COMPUTE_PLAN_KEYS} if plan is not None else {})}
+
+
 def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, step: int, epoch: int,
                     wandb_run: Optional[dict], train_data: Optional[dict] = None) -> str:
     """Every rank calls this. Returns the path of the finished checkpoint. `wandb_run` is MetricsLogger's
@@ -440,7 +454,8 @@ def save_checkpoint(cfg: TrainConfig, model, optimizer, scheduler, tokenizer, st
             # that a copy missing one (an interrupted rsync) is refused, not converted without it.
             model_files = [os.path.relpath(file, tmp) for file in files_outside(tmp, ("rng", "model", "optimizer"))]
             state = {"step": step, "epoch": epoch, "world_size": world_size, "format": fmt, "model_files": model_files,
-                     "master_dtype": master_dtype(model), "loaded_in_model_layout": loaded_in_model_layout(model),
+                     "master_dtype": master_dtype(model), "compute": compute_settings(model),
+                     "loaded_in_model_layout": loaded_in_model_layout(model),
                      "scheduler": scheduler.state_dict(), **(wandb_run or {}),
                      "config": cfg.to_dict(), "train_data": train_data, "versions": library_versions()}
             with open(os.path.join(tmp, STATE_NAME), "w") as f:

@@ -14,8 +14,8 @@ import transformers
 from torch import nn
 from transformers import AutoTokenizer
 
-from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, latest_checkpoint, master_dtype,
-                         read_dcp_metadata, training_data_identity, validate_checkpoint)
+from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, compute_settings, latest_checkpoint,
+                         master_dtype, read_dcp_metadata, training_data_identity, validate_checkpoint)
 from .config import ROUTER_LOSS_KEYS, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import RunComplete, print_rank0, ranks
@@ -63,6 +63,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     if cfg.resume_from_checkpoint == "auto":
         report_newer_checkpoints(cfg.output_dir, path, state["step"])
     report_other_versions(path, state)
+    report_other_computation(path, state, model, cfg, dist.get_world_size())
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
     current = model.config.to_dict()
@@ -172,6 +173,22 @@ def report_other_versions(path: str, state: dict) -> None:
                     f"optimizer, RNG states and data position load exactly, but kernels that changed may round "
                     f"otherwise, so the losses from here can differ from an uninterrupted run's in their last digits "
                     f"(see README, \"Checkpoints and resume\")")
+
+
+def report_other_computation(path: str, state: dict, model: nn.Module, cfg: TrainConfig, world_size: int) -> None:
+    """A resume may change how a step is computed (another launcher config: engine, mixed precision bf16 or no; the
+    attention kernel, compile, the batch layout of the same global batch): it loads exactly, but the losses then round
+    otherwise, which is said, as for other library versions. A setting the checkpoint does not record is not
+    compared."""
+    saved = {**state.get("compute", {}), "batch layout": _global_batch(state["config"], state["world_size"])[1]}
+    now = {**compute_settings(model), "batch layout": _global_batch(cfg.to_dict(), world_size)[1]}
+    shown = lambda value: str(value).lower() if isinstance(value, bool) else value  # as the flags take them
+    changed = [f"{key} {shown(now[key])}, was {shown(saved[key])}" for key in now
+               if key in saved and saved[key] != now[key]]
+    if changed:
+        print_rank0(f"resume: this run computes its steps otherwise than the run that saved {path} "
+                    f"({'; '.join(changed)}): the weights, optimizer, RNG states and data position load exactly, but "
+                    f"the losses from here can differ from an uninterrupted run's by rounding")
 
 
 def export_of(final: str, checkpoint: str) -> bool:

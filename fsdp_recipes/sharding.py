@@ -150,7 +150,8 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
     """Activation checkpointing and torch.compile of the decoder layers, and sharding; returns the model to train
     (FSDP1 wraps it, FSDP2 shards in place). FSDP2 shards the checkpointed layers; FSDP1 checkpoints inside its units.
 
-    Records in `plan` what was wrapped, on which mesh, and the parameter count before sharding.
+    Records in `plan` what was wrapped, on which mesh, and the parameter count before sharding; the model keeps it
+    as `sharding_plan`, which checkpoints record (checkpoint.compute_settings).
     """
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
@@ -193,8 +194,9 @@ def shard_model(model: nn.Module, plan: ShardingPlan, device: torch.device | Non
             # torch.distributed.checkpoint.state_dict names the unit's parameters with FSDP1's prefix, and a resume
             # cannot load the optimizer state ("Missing optimizer state for parameter ...").
             checkpoint_layers(model)
-        return model
-    fsdp2.shard(model, units, plan, mesh)
+    else:
+        fsdp2.shard(model, units, plan, mesh)
+    model.sharding_plan = plan
     return model
 
 

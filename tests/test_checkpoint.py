@@ -453,11 +453,13 @@ def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, 
     saved_draws = rng_draws()  # the save draws none: these follow the saved states
 
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
-    assert state.keys() == {"step", "epoch", "world_size", "format", "model_files", "master_dtype",
+    assert state.keys() == {"step", "epoch", "world_size", "format", "model_files", "master_dtype", "compute",
                             "loaded_in_model_layout", "scheduler", "wandb_run_id", "wandb_project", "wandb_entity",
                             "config", "train_data", "versions"}
     assert {k: v for k, v in state.items() if k not in ("model_files", "scheduler", "config")} == {
         "step": 2, "epoch": 0, "world_size": 1, "format": "sharded", "master_dtype": "float32",
+        "compute": {"attn_implementation": "sdpa", "fsdp_version": 2, "mixed_precision": "no", "offload_params": False,
+                    "torch_compile": False, "gradient_sync": "every_micro_batch"},
         "loaded_in_model_layout": True, **wandb_run, "train_data": train_identity, "versions": library_versions()}
     assert state["config"] == cfg.to_dict() and state["config"]["learning_rate"] == 1e-2
     assert state["scheduler"] == json.loads(json.dumps(scheduler.state_dict()))
@@ -727,6 +729,7 @@ def test_killed_run_resumes_with_auto_to_the_same_weights(tiny, reference, tmp_p
     resumed = torchrun(RECIPE, *args)
     start = 4 if mode == "after_checkpoint" else 2
     assert f"resumed from {tmp_path / f'checkpoint-{start}'} at step {start}" in resumed.stdout
+    assert "computes its steps otherwise" not in resumed.stdout  # the same settings: nothing to say
     uninterrupted = losses(reference)
     # metrics.jsonl keeps the steps up to the checkpoint, drops those the killed run logged after it, continues.
     assert losses(tmp_path) == uninterrupted
@@ -1848,6 +1851,38 @@ def test_a_resume_on_other_torch_or_transformers_versions_says_so(tiny, referenc
             f"position load exactly, but kernels that changed may round otherwise, so the losses from here can differ "
             f"from an uninterrupted run's in their last digits (see README, \"Checkpoints and resume\")"
             ) in capsys.readouterr().out.splitlines()
+
+
+def test_a_resume_that_computes_otherwise_says_so(tiny, reference, tmp_path, one_process_group, capsys):
+    """Another launcher config (engine, bf16 or no), attention kernel or batch layout of the same global batch: the
+    checkpoint loads exactly but the losses round otherwise, which the run says (it was silent)."""
+    checkpoint = tmp_path / "checkpoint-6"  # without the run's final/ beside it: the run is not done
+    shutil.copytree(reference / "checkpoint-6", checkpoint)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["compute"] == {
+        "attn_implementation": "sdpa", "fsdp_version": 2, "mixed_precision": "no", "offload_params": False,
+        "torch_compile": False, "gradient_sync": "every_micro_batch"}
+    said = "resume: this run computes its steps otherwise than the run that saved"
+    rounding = ("the weights, optimizer, RNG states and data position load exactly, but the losses from here can "
+                "differ from an uninterrupted run's by rounding")
+    for args, changed in [
+        # The checkpoint's settings, on 1 rank (the global batch of 2 ranks x 4 x 2 kept by accumulating 4).
+        ([], "batch layout 1 rank x 4 x 4, was 2 ranks x 4 x 2"),
+        (["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "8", "--fsdp_version", "1",
+          "--mixed_precision", "bf16", "--attn_implementation", "eager"],
+         "attn_implementation eager, was sdpa; fsdp_version 1, was 2; mixed_precision bf16, was no; batch layout 1 "
+         "rank x 2 x 8, was 2 ranks x 4 x 2")]:
+        cfg, _, tokenizer, data = resume_inputs(tiny, "--resume_from_checkpoint", checkpoint,
+                                                "--gradient_accumulation_steps", "4", *args)
+        model = shard_model(load_model(cfg), resolve_plan(cfg))
+        capsys.readouterr()
+        assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+        assert f"{said} {checkpoint} ({changed}): {rounding}" in capsys.readouterr().out.splitlines()
+    # A checkpoint of no compute record (before it, 2026-12-07) compares the batch layout alone.
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    (checkpoint / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "compute"}))
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    assert f"{said} {checkpoint} (batch layout 1 rank x 2 x 8, was 2 ranks x 4 x 2): {rounding}" in (
+        capsys.readouterr().out)
 
 
 def test_the_newer_checkpoints_auto_does_not_take_are_named_with_the_newest_to_continue_from(tmp_path, capsys):
