@@ -231,6 +231,9 @@ def test_accelerates_one_process_launcher_for_a_config_of_several_is_refused(mon
     with pytest.raises(ConfigError, match=r"MASTER_ADDR, which that launcher sets only for several processes, is "
                                           r"node0: for one process, unset it where your shell exports it\)$"):
         resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"]))
+    # A process a launcher ranked (torchrun sets RANK) is not the one-process launcher's, whatever MASTER_ADDR says.
+    monkeypatch.setenv("RANK", "0")
+    assert resolve_plan(parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])).fsdp_version == 2
 
 
 def simple_launched_env(launch: list[str]) -> dict[str, str]:

@@ -109,6 +109,13 @@ def test_recipe_fsdp_version_2_over_an_fsdp1_accelerate_config(accelerate_env):
         accelerate_env.setenv(key, "HYBRID_SHARD")
         assert plan_for("--fsdp_version", "2", "--fsdp_reshard_after_forward", "false").reshard_after_forward is False
         accelerate_env.setenv(key, {"FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "true"}[key])
+    # FULL_SHARD as `accelerate config` writes it for FSDP1, and a strategy by torch's number: translated alike.
+    for value, strategy, reshard in [("FULL_SHARD", "FULL_SHARD", True), ("2", "SHARD_GRAD_OP", False)]:
+        accelerate_env.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+        plan = plan_for("--fsdp_version", "2")
+        assert plan.reshard_after_forward is reshard and plan.overrides == [
+            version_note, f"fsdp_reshard_after_forward: accelerate config {strategy} (FSDP1) applied as "
+                          f"fsdp_reshard_after_forward {str(reshard).lower()} with fsdp_version 2", prefetch_note]
 
 
 def test_recipe_fsdp_version_1_over_an_fsdp2_accelerate_config(accelerate_env):
@@ -148,6 +155,10 @@ def test_fsdp1_strategy_as_accelerate_config_writes_it(accelerate_env):
         "'SHARD_GRAD_OP'"]
     plan = plan_for("--fsdp_sharding_strategy", "SHARD_GRAD_OP")
     assert (plan.sharding_strategy, plan.overrides) == ("SHARD_GRAD_OP", [])
+    # The same strategy under both keys is one strategy, not two to choose from.
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    plan = plan_for()
+    assert (plan.sharding_strategy, plan.overrides) == ("SHARD_GRAD_OP", [])
 
 
 def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
@@ -158,6 +169,9 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
     plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
     assert (plan.sharding_strategy, plan.offload_params, plan.activation_checkpointing) == ("SHARD_GRAD_OP", True, True)
     assert (plan.cpu_ram_efficient_loading, plan.backward_prefetch) == (False, "BACKWARD_POST")
+    accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", " true ")  # a hand-set value's spaces: dropped, not false
+    assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
+                    "2").activation_checkpointing
     # Strategies by torch's number, as older `accelerate config` versions wrote them, under either key of an FSDP1
     # config; an FSDP2 config's fsdp_reshard_after_forward reads 1 and 0 as true and false.
     for number, strategy in [("2", "SHARD_GRAD_OP"), ("3", "NO_SHARD")]:
@@ -221,6 +235,16 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     assert plan.overrides == ["dp_replicate_size: recipe config 4 overrides accelerate config 2"]
 
 
+def test_one_replica_beside_an_fsdp1_strategy_is_no_hybrid_sharding(accelerate_env):
+    # parallelism_config's dp_replicate_size 1 (accelerate's default) asks for no replication: not for HYBRID_SHARD.
+    for key, value in {**HSDP_2X8, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1",
+                       "PARALLELISM_CONFIG_DP_SHARD_SIZE": "16", "FSDP_VERSION": "1"}.items():
+        accelerate_env.setenv(key, value)
+    plan = plan_for()
+    assert (plan.fsdp_version, plan.sharding_strategy, plan.dp_replicate_size) == (1, "FULL_SHARD", 1)
+    assert plan_for("--dp_replicate_size", "1").sharding_strategy == "FULL_SHARD"
+
+
 @pytest.mark.parametrize("env, args, message", [
     ({"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, [], "^the accelerate config sets fsdp_sharding_strategy "
                                                       "SHARD_GRAD_OP, an FSDP1 sharding strategy, and fsdp_version 2: "
@@ -230,6 +254,7 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
     ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
     ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
     ({}, ["--fsdp_min_num_params", "1000"], "fsdp_min_num_params is a SIZE_BASED_WRAP setting"),
+    ({}, ["--fsdp_min_num_params", "0"], "^fsdp_min_num_params is a SIZE_BASED_WRAP setting"),  # not "at least 1"
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_min_num_params", "0"],
      r"^fsdp_min_num_params must be at least 1 with SIZE_BASED_WRAP \(a unit is a module holding that many "
      r"parameters not yet in a unit\), got 0$"),
@@ -275,9 +300,15 @@ def test_hsdp_replicas_come_from_accelerates_parallelism_config(accelerate_env):
      r"launched: set them to the number of nodes"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_TP_SIZE": "2"}, [], r"parallelism_config_tp_size 2 is not supported"),
     ({**HSDP_2X8, "PARALLELISM_CONFIG_CP_SIZE": "2"}, ["--dp_replicate_size", "1"], "parallelism_config_cp_size 2"),
+    ({**HSDP_2X8, "PARALLELISM_CONFIG_SP_SIZE": "2"}, [], r"^parallelism_config_sp_size 2 is not supported"),
+    # Sizes that cover fewer processes than were launched: as wrong as more.
+    ({**HSDP_2X8, "WORLD_SIZE": "32"}, [], r"parallelism_config_dp_shard_size 8 is 16, but 32 processes were launched"),
     ({"FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op"}, [], "sets fsdp_reshard_after_forward SHARD_GRAD_OP, an FSDP1 "
                                                           "sharding strategy, and fsdp_version 2"),
     ({"FSDP_RESHARD_AFTER_FORWARD": "sometimes"}, [], "fsdp_reshard_after_forward must be true or false"),
+    # torch's numbers start at 1: 0 is no strategy (Python's index -1 would make it the last, HYBRID_SHARD).
+    ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "0"}, [], "^fsdp_sharding_strategy must be one of FULL_SHARD, "
+                                                               "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, got 0$"),
     ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "NO_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}, [],
      "sets fsdp_sharding_strategy NO_SHARD and fsdp_reshard_after_forward SHARD_GRAD_OP: keep one of them"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, [], r"dynamo_config \(dynamo_backend INDUCTOR\) is not applied"),
