@@ -169,6 +169,16 @@ def test_unknown_cli_flag_is_named():
         (["--model_name_or_path", "m", "--dataset_name", "d", "--gradient_accumulation_steps", "0"],
          "gradient_accumulation_steps must be at least 1"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "0"], "max_steps must be -1"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--max_steps", "-2"],
+         r"^max_steps must be -1 \(use num_train_epochs\) or positive, got -2$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--num_train_epochs", "inf"],
+         "^num_train_epochs must be positive when max_steps is -1, got inf$"),  # a run that never ends
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--logging_steps", "0"],
+         "^logging_steps must be at least 1, got 0$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--dp_replicate_size", "0"],
+         "^dp_replicate_size must be at least 1, got 0$"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--dataloader_num_workers", "-1"],
+         "^dataloader_num_workers must be 0 or more, got -1$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--fsdp_version", "3"], "fsdp_version must be 1 or 2"),
         # A size the Hub's splitter refuses would fail at the export, after the whole run.
         (["--model_name_or_path", "m", "--dataset_name", "d", "--max_shard_size", "5G"],
@@ -186,6 +196,8 @@ def test_unknown_cli_flag_is_named():
          r"step. Set it to 1e-8, the default$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--adam_epsilon", "inf"], "adam_epsilon must be a "),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", "-1"], r"seed must be in \[0, 2\*\*32\)"),
+        (["--model_name_or_path", "m", "--dataset_name", "d", "--seed", str(2**32)],
+         r"^seed must be in \[0, 2\*\*32\), got 4294967296$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--eval_fraction", "1"],
          r"^eval_fraction must be in \[0, 1\), got 1.0$"),
         (["--model_name_or_path", "m", "--dataset_name", "d", "--eval_fraction", "0.1", "--per_device_eval_batch_size",
@@ -265,6 +277,9 @@ def test_bad_values_are_explained(args, message):
     ("learning_rate: [1]", r"learning_rate must be a number, got \[1\]"),
     ("save_steps: null", r"save_steps must be an integer, got None"),
     ("max_steps: 10.5", r"max_steps must be an integer, got 10.5"),
+    # A boolean is no number, though Python counts True as 1: learning_rate: true would train at 1.0.
+    ("max_steps: true", r"^max_steps must be an integer, got True"),
+    ("learning_rate: true", r"^learning_rate must be a number, got True"),
     ("generation_prompts: 'reverse: abc'", r"generation_prompts must be a list of strings or null, got 'reverse: abc'"),
     ("lr_scheduler_type: reduce_lr_on_plateau", r"lr_scheduler_type must be one of linear, cosine, constant, "),
     ("lr_scheduler_type: constant\nwarmup_steps: 5", r"constant has no warm-up: use constant_with_warmup"),
@@ -393,6 +408,10 @@ def test_yaml_values_of_the_right_type_pass(tmp_path):
     assert [shard_size_in_bytes(size) for size in ("5GB", "4GiB", "1.5 mb")] == [5 * 10**9, 4 * 2**30, 1_500_000]
     assert parse_config(["--model_name_or_path", "m", "--dataset_name", "d",
                          "--fsdp_min_num_params", "1e8"]).fsdp_min_num_params == 100_000_000
+    # The closed ends of the ranges: adam_beta1 0 (no momentum), router_aux_loss_coef 0 (no router loss).
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--adam_beta1", "0",
+                        "--router_aux_loss_coef", "0"])
+    assert (cfg.adam_beta1, cfg.router_aux_loss_coef) == (0, 0)
 
 
 def test_home_folder_paths_are_expanded_as_transformers_does(tmp_path, monkeypatch):
