@@ -54,6 +54,16 @@ def test_defaults_without_a_launcher(monkeypatch):
     assert plan_for("--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP").min_num_params == 100_000_000  # README: 1e8
 
 
+def test_fsdp_variables_apply_only_under_accelerate_use_fsdp(accelerate_env):
+    # As accelerate reads them: FSDP_* left in a shell, or beside ACCELERATE_USE_FSDP false, configure nothing.
+    for key, value in {"ACCELERATE_USE_FSDP": "false", "FSDP_VERSION": "1", "FSDP_OFFLOAD_PARAMS": "true",
+                       "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_FORWARD_PREFETCH": "true"}.items():
+        accelerate_env.setenv(key, value)
+    plan = plan_for()
+    assert (plan.fsdp_version, plan.offload_params, plan.activation_checkpointing) == (2, False, False)
+    assert (plan.cpu_ram_efficient_loading, plan.overrides) == (False, [])
+
+
 def test_the_recipe_format_over_accelerate_local_state_dict_is_reported(accelerate_env):
     accelerate_env.setenv("FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT")
     assert plan_for("--save_state_dict_type", "sharded", "--save_steps", "10").overrides == [
@@ -169,9 +179,11 @@ def test_accelerate_spellings_are_read_as_accelerate_reads_them(accelerate_env):
     plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
     assert (plan.sharding_strategy, plan.offload_params, plan.activation_checkpointing) == ("SHARD_GRAD_OP", True, True)
     assert (plan.cpu_ram_efficient_loading, plan.backward_prefetch) == (False, "BACKWARD_POST")
-    accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", " true ")  # a hand-set value's spaces: dropped, not false
-    assert plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps",
-                    "2").activation_checkpointing
+    # A hand-set value's spaces are dropped: not a false, nor an unknown strategy.
+    accelerate_env.setenv("FSDP_ACTIVATION_CHECKPOINTING", " true ")
+    accelerate_env.setenv("FSDP_SHARDING_STRATEGY", " no_shard ")
+    plan = plan_for("--gradient_sync", "last_micro_batch", "--gradient_accumulation_steps", "2")
+    assert (plan.activation_checkpointing, plan.sharding_strategy) == (True, "NO_SHARD")
     # Strategies by torch's number, as older `accelerate config` versions wrote them, under either key of an FSDP1
     # config; an FSDP2 config's fsdp_reshard_after_forward reads 1 and 0 as true and false.
     for number, strategy in [("2", "SHARD_GRAD_OP"), ("3", "NO_SHARD")]:
