@@ -309,7 +309,8 @@ def resolve_plan(cfg: TrainConfig) -> ShardingPlan:
     # The layer classes are what TRANSFORMER_BASED_WRAP wraps, and what activation checkpointing and torch_compile
     # apply to. accelerate exports them only when its config sets them (unlike fsdp_min_num_params).
     layers_read = wrap == "TRANSFORMER_BASED_WRAP" or checkpointing or cfg.torch_compile
-    if env_wrap == "SIZE_BASED_WRAP" and env_layers and cfg.fsdp_auto_wrap_policy is None and not layers_read:
+    # The recipe's SIZE_BASED_WRAP too: restating the policy left the accelerate config's layer classes unread unsaid.
+    if env_wrap == "SIZE_BASED_WRAP" and env_layers and not layers_read:
         raise ConfigError("the accelerate config sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy "
                           "SIZE_BASED_WRAP, which does not read it (nor does anything else in this run): remove one "
                           "of the two")

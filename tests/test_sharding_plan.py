@@ -277,6 +277,9 @@ def test_one_replica_beside_an_fsdp1_strategy_is_no_hybrid_sharding(accelerate_e
      "torch_compile, none of which this run uses"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}, [],
      "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"},
+     ["--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"],
+     "sets fsdp_transformer_layer_cls_to_wrap with fsdp_auto_wrap_policy SIZE_BASED_WRAP, which does not read it"),
     ({"ACCELERATE_MIXED_PRECISION": "fp16"}, [], r"^the accelerate config \(or accelerate launch --mixed_precision\) "
                                                  r"sets mixed_precision fp16, which these recipes do not run: set bf16 "
                                                  r"or no there, or mixed_precision in the recipe config \(bf16, no, "
