@@ -117,7 +117,7 @@ def _env_reshard(name: str, fsdp1: bool) -> bool | str | None:
         return _env_strategy(name)
     if value.strip().lower() not in TRUE + FALSE:
         raise ConfigError(f"fsdp_reshard_after_forward must be true or false (FSDP2) or one of "
-                          f"{', '.join(FSDP1_STRATEGIES)} (FSDP1), got {value}")
+                          f"{', '.join(FSDP1_STRATEGIES)} (FSDP1), got {value!r}")
     return _env_bool(name)
 
 

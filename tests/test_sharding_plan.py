@@ -265,6 +265,9 @@ def test_one_replica_beside_an_fsdp1_strategy_is_no_hybrid_sharding(accelerate_e
     ({}, ["--fsdp_version", "1", "--fsdp_reshard_after_forward", "false"], "an FSDP2 setting"),
     ({"FSDP_VERSION": "1", "FSDP_RESHARD_AFTER_FORWARD": "false"}, [], "use fsdp_sharding_strategy SHARD_GRAD_OP"),
     ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, [], "fsdp_auto_wrap_policy must be one of"),
+    ({"FSDP_RESHARD_AFTER_FORWARD": "sometimes"}, [],
+     r"^fsdp_reshard_after_forward must be true or false \(FSDP2\) or one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+     r"HYBRID_SHARD \(FSDP1\), got 'sometimes'$"),
     ({}, ["--fsdp_min_num_params", "1000"], "fsdp_min_num_params is a SIZE_BASED_WRAP setting"),
     ({}, ["--fsdp_min_num_params", "0"], "^fsdp_min_num_params is a SIZE_BASED_WRAP setting"),  # not "at least 1"
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["--fsdp_min_num_params", "0"],
