@@ -63,7 +63,6 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     if cfg.resume_from_checkpoint == "auto":
         report_newer_checkpoints(cfg.output_dir, path, state["step"])
     report_other_versions(path, state)
-    report_other_computation(path, state, model, cfg, dist.get_world_size())
     # Through the model's own config class, so that defaults not written to config.json compare equal.
     saved = type(model.config).from_json_file(os.path.join(path, "config.json")).to_dict()
     current = model.config.to_dict()
@@ -96,6 +95,7 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
                               f"{cfg.dataset_name} ({differ}): a resume continues at step {state['step']} of that "
                               f"data's order, so resume with the data the checkpoint was trained on, or start a "
                               f"fresh run (without --resume_from_checkpoint)")
+    report_other_computation(path, state, model, cfg, dist.get_world_size())  # a resume the checks above let through
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
     # The checkpoint's own run's length: the same data and global batch (compared above), its max_steps and epochs.
     saved_length = {k: state["config"].get(k, getattr(cfg, k)) for k in ("max_steps", "num_train_epochs")}
