@@ -1982,6 +1982,18 @@ def test_a_pure_bf16_checkpoint_is_refused_by_a_run_with_fp32_master_weights():
         "master weights and optimizer state (mixed_precision): checkpoint bfloat16 (mixed_precision pure_bf16), now "
         "float32"]
 
+
+def test_what_an_older_checkpoint_did_not_record_is_not_compared():
+    """A checkpoint from before a setting was recorded, or whose master_dtype its Adam moments do not tell
+    (saved_master_dtype None), resumes: there is nothing to compare them with."""
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d"])
+    saved = {k: v for k, v in cfg.to_dict().items() if k not in ("output_router_logits", "router_aux_loss_coef")}
+    state = {"config": saved, "world_size": 1, "master_dtype": None}
+    assert training_config_differences(state, cfg, 1, "bfloat16") == []
+    assert training_config_differences({**state, "config": {**saved, "seed": 1}}, cfg, 1, "bfloat16") == [
+        "seed: checkpoint 1, now 42"]
+
+
 def test_a_resume_compares_the_router_loss_the_model_trained_with(tiny, one_process_group, tmp_path):
     # Unset in the recipe config means config.json's value: a resume that writes that value out continues the
     # same run (it was refused as "checkpoint None, now True"); one that changes what the model trained with is not.
