@@ -51,7 +51,7 @@ from fsdp_recipes.metrics import MetricsLogger, library_versions
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.output_dir import lock_output_dir, prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoints, resolve_resume,
+from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoints, resolve_resume, settings_only_in,
                                  tokenizer_differences, training_config_differences)
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
@@ -856,6 +856,17 @@ def test_a_multimodal_config_is_compared_entry_by_entry_without_the_dtype():
     saved.text_config.num_hidden_layers = 3
     assert model_config_differences(saved.to_dict(), model.to_dict()) == [
         "text_config.num_hidden_layers: checkpoint 3, model 2"]
+
+
+def test_a_setting_unknown_here_in_a_sub_config_is_found_and_left_out_by_its_dotted_name():
+    """Gemma 3's vision_config.vision_use_head (written by 5.25, unknown to 5.17) is in a sub-config: found there and
+    left out there alone, the runtime entries not being settings."""
+    saved = {"use_cache": True, "vision_config": {"hidden_size": 16, "vision_use_head": True, "dtype": "float32"},
+             "text_config": {"hidden_size": 32}}
+    current = {"vision_config": {"hidden_size": 16}, "text_config": {"hidden_size": 32}}
+    assert settings_only_in(saved, current) == ["vision_config.vision_use_head"]
+    assert model_config_differences(saved, current) == ["vision_config.vision_use_head: checkpoint True, model None"]
+    assert model_config_differences(saved, current, left_out=frozenset({"vision_config.vision_use_head"})) == []
 
 
 def test_converter_streams_a_sharded_checkpoint_to_an_hf_folder(reference, tmp_path):
