@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from tokenizers import normalizers, processors
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Qwen3MoeConfig, get_scheduler
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, Gemma3Config, Qwen3MoeConfig,
+                          get_scheduler)
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _save_failure_remedy, apply_retention, latest_checkpoint,
@@ -2130,6 +2131,21 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
     default.chat_template, without.chat_template = DEFAULT_CHAT_TEMPLATE, None
     assert tokenizer_differences(default, without) == []
     assert tokenizer_differences(without, default) == ["chat_template"]  # a run that would use it: not the same
+    # Another BOS (put in front of plain text) or pad token, over the same vocabulary and pipeline.
+    bos_token, pad_token = load_tokenizer(cfg), load_tokenizer(cfg)
+    bos_token.bos_token, pad_token.pad_token = "<|pad|>", "<|end|>"
+    assert tokenizer_differences(from_checkpoint, bos_token) == ["bos_token"]
+    assert tokenizer_differences(from_checkpoint, pad_token) == ["pad_token"]
+    # Padding and truncation, which encoding a batch sets on the backend (and a tokenizer.json may hold): no part.
+    truncating = load_tokenizer(cfg)
+    truncating.backend_tokenizer.enable_truncation(8)
+    truncating.backend_tokenizer.enable_padding()
+    assert tokenizer_differences(from_checkpoint, truncating) == []
+    # A tokenizer of Python code alone (no backend_tokenizer, as ByT5's) is compared by its vocabulary.
+    byt5, added_byt5 = ByT5Tokenizer(), ByT5Tokenizer()
+    assert tokenizer_differences(byt5, added_byt5) == []
+    added_byt5.add_tokens(["<|tool|>"])
+    assert tokenizer_differences(byt5, added_byt5) == ["vocabulary"]
     for changed, parts in [(template, "chat_template"), (added, "added_tokens"), (lowercase, "normalizer"),
                            (eos, "eos_token"), (bos, "post_processor")]:
         with pytest.raises(CheckpointError) as error:
