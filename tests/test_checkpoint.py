@@ -52,8 +52,8 @@ from fsdp_recipes.metrics import MetricsLogger, library_versions
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.output_dir import lock_output_dir, prepare_output_dir, remove_earlier_run
 from fsdp_recipes.plan import resolve_plan
-from fsdp_recipes.resume import (model_config_differences, report_newer_checkpoints, resolve_resume, settings_only_in,
-                                 tokenizer_differences, training_config_differences)
+from fsdp_recipes.resume import (export_of, model_config_differences, report_newer_checkpoints, resolve_resume,
+                                 settings_only_in, tokenizer_differences, training_config_differences)
 from fsdp_recipes.sharding import shard_model, state_dict_name
 from fsdp_recipes.trainer import build_optimizer, train
 
@@ -1789,6 +1789,19 @@ def test_a_resume_owes_the_samples_of_this_runs_export_alone(tiny, reference, tm
             f"it): the run is finished from it") in capsys.readouterr().out
 
 
+def test_a_final_folder_with_its_checkpoints_modification_time_is_its_export(tmp_path):
+    """A file system of whole-second times (ext3, HFS+) gives an export written in the second of its run's last save
+    that save's time: still the checkpoint's export (a resume would otherwise finish the run again)."""
+    checkpoint, final = tmp_path / "checkpoint-6", tmp_path / "final"
+    checkpoint.mkdir()
+    final.mkdir()
+    (checkpoint / "trainer_state.json").write_text("{}")
+    os.utime(checkpoint / "trainer_state.json", (1000, 1000))
+    for final_time, exported in [(1000, True), (1001, True), (999, False)]:
+        os.utime(final, (final_time, final_time))
+        assert export_of(str(final), str(checkpoint)) == exported
+
+
 def resume_inputs(tiny, *args):
     """What a recipe hands resolve_resume: the config, the model, the tokenizer and the training data."""
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, "unused", *args)])
@@ -2063,7 +2076,7 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
     # At the last step, a run whose output_dir has its final/ (the run was done) is refused as a shorter one.
     (tmp_path / "final").mkdir()
     for length, total, done in [({"max_steps": 6}, 6, f", and {tmp_path / 'final'} holds its export"),
-                                ({"max_steps": -1, "num_train_epochs": 0.25}, 4, "")]:
+                                ({"max_steps": 5}, 5, ""), ({"max_steps": -1, "num_train_epochs": 0.25}, 4, "")]:
         with pytest.raises(CheckpointError) as error:
             resolve_resume(dataclasses.replace(cfg, output_dir=str(tmp_path), **length), model, tokenizer, data)
         assert str(error.value) == (
@@ -2073,8 +2086,12 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
             f"{checkpoint} <out_dir>`")
     extended = dataclasses.replace(cfg, max_steps=-1, num_train_epochs=0.5)
     assert resolve_resume(extended, model, tokenizer, data) == str(checkpoint)
+    out = capsys.readouterr().out
+    # The checkpoint's run of 6 steps made 8 (half an epoch of 16 steps): said, with the keys that changed.
+    assert ("resume: the run's length changes from 6 to 8 steps (max_steps 6 -> -1, num_train_epochs 1.0 -> 0.5): "
+            "the LR schedule (and a warm-up given as a fraction of the run) follows the new total from step 6\n") in out
     # A resume that saves no checkpoint leaves `latest` where it was: a later auto would repeat its steps.
-    assert "save_steps 0" not in capsys.readouterr().out
+    assert "save_steps 0" not in out
     assert resolve_resume(dataclasses.replace(extended, save_steps=0), model, tokenizer, data) == str(checkpoint)
     assert capsys.readouterr().out.splitlines()[-1] == (
         f"resume: this run saves no checkpoint (save_steps 0), so resuming it again, also with auto after it ends, "
@@ -2096,6 +2113,13 @@ def test_resume_with_no_steps_left_is_refused(tiny, reference, one_process_group
     # A run finished from its last checkpoint trains no steps: no word of training them again, with save_steps 0.
     assert capsys.readouterr().out.splitlines()[-1].endswith(
         "the run is finished from it (the final evaluation if metrics.jsonl lacks it, the export, the samples)")
+    # Into an output_dir whose final/ is newer than the checkpoint: its export, unless overwrite_output_dir removes
+    # it (an earlier run's) before this run trains.
+    into_tmp_path = dataclasses.replace(same_end, output_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match=re.escape(f"and {tmp_path / 'final'} holds its export: nothing is left")):
+        resolve_resume(into_tmp_path, model, tokenizer, data)
+    overwrite = dataclasses.replace(into_tmp_path, overwrite_output_dir=True)
+    assert resolve_resume(overwrite, model, tokenizer, data) == str(tmp_path / "copy" / "checkpoint-6")
     # With auto and the export written after the checkpoint, the run is complete; but not a run shortened to end at
     # the checkpoint `latest` names.
     (tmp_path / "copy" / "final").mkdir()
