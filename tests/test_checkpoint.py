@@ -1876,6 +1876,18 @@ def test_a_resume_on_other_torch_or_transformers_versions_says_so(tiny, referenc
             f"position load exactly, but kernels that changed may round otherwise, so the losses from here can differ "
             f"from an uninterrupted run's in their last digits (see README, \"Checkpoints and resume\")"
             ) in capsys.readouterr().out.splitlines()
+    # A checkpoint from before the versions were recorded: nothing to compare, nothing said.
+    (checkpoint / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "versions"}))
+    assert resolve_resume(cfg, model, tokenizer, data) == str(checkpoint)
+    assert "library versions" not in capsys.readouterr().out
+
+
+def test_auto_before_the_first_checkpoint_starts_from_step_0_and_says_so(tmp_path, one_process_group, capsys):
+    """A job that passes auto on every start, started for the first time: nothing to resume yet."""
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--resume_from_checkpoint", "auto"])
+    assert resolve_resume(cfg, None, None, None) is None
+    assert capsys.readouterr().out == f"resume: no checkpoint in {tmp_path} yet, starting from step 0\n"
 
 
 def test_a_resume_that_computes_otherwise_says_so(tiny, reference, tmp_path, one_process_group, capsys):
