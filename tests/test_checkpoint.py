@@ -574,6 +574,16 @@ def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12"]
 
 
+def test_retention_keeps_every_checkpoint_while_there_are_fewer_than_the_limit(tmp_path):
+    """Fewer checkpoints than save_total_limit: retention removes none of them, the oldest included."""
+    for step in [2, 4, 6]:
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
+                        "--save_steps", "2", "--save_total_limit", "4"])
+    apply_retention(cfg, saved_step=6)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
 def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp_path, monkeypatch, capsys):
     # On NFS a folder holding a file still open elsewhere (.nfsXXXX) cannot be removed: EBUSY.
     for name in ["checkpoint-2", "checkpoint-4"]:
