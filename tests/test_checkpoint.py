@@ -1400,6 +1400,10 @@ def test_a_resume_points_latest_at_its_checkpoint_only_in_its_own_output_dir(tmp
     assert (out / "latest").read_text() == "checkpoint-4"
     assert capsys.readouterr().out == (f"resume: `latest` in {out} now names checkpoint-4, where this run starts (it "
                                        f"named checkpoint-6)\n")
+    # A resume from the checkpoint `latest` names already: nothing to write or say.
+    inode = (out / "latest").stat().st_ino  # write_latest replaces the file
+    point_latest_at(str(out), f"{out}/checkpoint-4")
+    assert (out / "latest").stat().st_ino == inode and capsys.readouterr().out == ""
 
 
 def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_group, monkeypatch):
