@@ -1430,7 +1430,22 @@ def test_latest_given_as_the_checkpoint_says_what_to_pass(tmp_path, one_process_
     for word in ("Auto", "AUTO", "Latest"):  # the keyword is lower case: another case is a path
         with pytest.raises(CheckpointError, match=rf"^{word} does not exist: pass --resume_from_checkpoint auto "):
             prepare_output_dir(config(run, "--resume_from_checkpoint", word))
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint("latest")  # the converter's check: no resume advice
+    assert str(error.value) == f"latest does not exist in {tmp_path}: pass a checkpoint-<step> folder"
     assert sorted(os.listdir(run)) == [".run.lock", "checkpoint-6", "latest"]
+
+
+def test_an_output_dir_with_checkpoints_or_latest_alone_given_as_the_checkpoint_is_named_as_one(tmp_path):
+    """Either one marks a run's output_dir: checkpoints whose `latest` is gone, or a `latest` whose checkpoints are."""
+    fake_checkpoint(tmp_path / "no_latest" / "checkpoint-4")
+    (tmp_path / "latest_alone").mkdir()
+    (tmp_path / "latest_alone" / "latest").write_text("checkpoint-4")
+    for name, held in [("no_latest", "checkpoint-4"), ("latest_alone", "no checkpoint")]:
+        with pytest.raises(CheckpointError) as error:
+            validate_checkpoint(str(tmp_path / name))
+        assert str(error.value) == (f"{tmp_path}/{name} is a run's output_dir, not a checkpoint (it holds {held}): "
+                                    f"pass one of its checkpoint-<step> folders")
 
 
 def test_a_model_folder_given_as_the_checkpoint_says_what_to_pass(tiny, tmp_path, one_process_group):
