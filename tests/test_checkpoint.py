@@ -1535,6 +1535,18 @@ def test_overwrite_output_dir_takes_a_symlink_for_a_link(tmp_path, one_process_g
     assert os.listdir(out / "final") == ["base"]
 
 
+def test_overwrite_output_dir_removes_the_leftovers_of_killed_writes(tmp_path, one_process_group):
+    """A kill while `latest`, final/, metrics.jsonl or samples.jsonl was replaced leaves its .tmp or .old beside it."""
+    for name in ["final.tmp", "final.old", "wandb"]:
+        (tmp_path / name).mkdir()
+    for name in ["latest.tmp", "metrics.jsonl.tmp", "samples.jsonl.tmp"]:
+        (tmp_path / name).write_text("x")
+    cfg = config(tmp_path, "--overwrite_output_dir", "true")
+    prepare_output_dir(cfg)
+    remove_earlier_run(cfg)
+    assert sorted(os.listdir(tmp_path)) == [".run.lock", "wandb"]
+
+
 def test_every_rank_must_see_the_same_output_dir(tmp_path):
     # Per-node disks, simulated with an output_dir of each rank's own: refused on every rank, and `auto` resolves
     # to the checkpoint rank 0 reads on every rank.
