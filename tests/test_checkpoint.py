@@ -1646,6 +1646,13 @@ def test_an_output_dir_on_a_file_system_without_locks_is_a_warning_not_an_error(
         f"{os.strerror(errno.ENOLCK)}): a second run started into it would not be noticed\n")
 
 
+def test_the_lock_file_names_this_process_alone_over_a_longer_name_an_earlier_run_left(tmp_path):
+    """A second run's refusal quotes the lock file: the tail of an earlier holder's longer name must not stay in it."""
+    (tmp_path / ".run.lock").write_text(f"process 4194304 on {socket.gethostname()}.a-longer-domain.example")
+    assert lock_output_dir(str(tmp_path)) is None
+    assert (tmp_path / ".run.lock").read_text() == f"process {os.getpid()} on {socket.gethostname()}"
+
+
 def test_the_recipe_refuses_the_output_dir_before_loading_data_or_model(tiny, tmp_path):
     (tmp_path / "final").mkdir()
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tiny["model"], "--dataset_name",
