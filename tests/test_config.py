@@ -155,6 +155,10 @@ def test_an_accelerate_config_given_as_the_recipe_config_is_named_so(monkeypatch
     (tmp_path / "launch.yaml").write_text("fsdp_config:\n  fsdp_version: 2\nnum_processes: 8\n")
     with pytest.raises(ConfigError, match=r"^--config .*launch.yaml is an accelerate config \(it sets fsdp_config\)"):
         parse_config(["--config", str(tmp_path / "launch.yaml")])
+    # A CPU launch's whole config (accelerate_configs/fsdp2_cpu.yaml sets use_cpu among others).
+    (tmp_path / "cpu.yaml").write_text("use_cpu: true\n")
+    with pytest.raises(ConfigError, match=r"^--config .*cpu.yaml is an accelerate config \(it sets use_cpu\)"):
+        parse_config(["--config", str(tmp_path / "cpu.yaml")])
 
 
 def test_unknown_cli_flag_is_named():
