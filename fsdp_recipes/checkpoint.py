@@ -301,7 +301,9 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
                    f"--resume_from_checkpoint {os.path.join(output_dir, f'checkpoint-{steps[-1]}')} (the newest) or "
                    f"another of them" if steps else
                    f"{output_dir} holds no checkpoint: start afresh with --overwrite_output_dir true")
-        what = f"names {found[0]}, which does not exist" if found[0] else f"in {output_dir} is empty"
+        what = (f"in {output_dir} is empty" if not found[0]
+                else f"names {found[0]}, which is a file, not a checkpoint folder" if os.path.exists(found[0])
+                else f"names {found[0]}, which does not exist")
         raise CheckpointError(f"resume_from_checkpoint auto: `latest` {what}; {present}")
     return found[0]
 

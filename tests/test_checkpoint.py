@@ -1275,6 +1275,12 @@ def test_a_fresh_run_into_an_earlier_runs_output_dir_is_refused(tmp_path_factory
         f"resume_from_checkpoint auto: `latest` names {tmp_path}/checkpoint-8, which does not exist; {tmp_path} holds "
         f"checkpoint-4, checkpoint-6: pass --resume_from_checkpoint {tmp_path}/checkpoint-6 (the newest) or another "
         f"of them")
+    # `latest` naming a file (edited by hand; here itself): not said not to exist.
+    (tmp_path / "latest").write_text("latest")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"auto: `latest` names {tmp_path}/latest, which is a file, not a checkpoint folder; {tmp_path} holds "
+            f"checkpoint-4, checkpoint-6: pass")):
+        latest_checkpoint(str(tmp_path))
     # An empty `latest` (truncated by hand) names no checkpoint: not output_dir itself, "not a checkpoint".
     (tmp_path / "latest").write_text("")
     with pytest.raises(CheckpointError) as error:
