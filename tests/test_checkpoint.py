@@ -554,34 +554,19 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     # Resumed from checkpoint-2 of a run that had reached checkpoint-6: this run's checkpoint-2 and -3 are its newest
     # two, not checkpoint-3 and the left branch's checkpoint-6.
     (["checkpoint-2", "checkpoint-3", "checkpoint-4", "checkpoint-6"], 3, 2, ["checkpoint-2", "checkpoint-3"]),
-], ids=["keeps_the_checkpoint_just_saved", "removes_the_left_branch_before_this_runs_own"])
-def test_retention_after_a_return_to_an_earlier_checkpoint(tmp_path, held, saved_step, limit, kept):
+    # Steps by number: as text, checkpoint-10 sorts before checkpoint-8 and would go while the older one stays.
+    (["checkpoint-8", "checkpoint-10", "checkpoint-12"], 12, 2, ["checkpoint-10", "checkpoint-12"]),
+    # Fewer checkpoints than save_total_limit: none is removed, the oldest included.
+    (["checkpoint-2", "checkpoint-4", "checkpoint-6"], 6, 4, ["checkpoint-2", "checkpoint-4", "checkpoint-6"]),
+], ids=["keeps_the_checkpoint_just_saved", "removes_the_left_branch_before_this_runs_own",
+        "removes_the_lowest_steps_not_the_first_names", "keeps_every_checkpoint_below_the_limit"])
+def test_retention_keeps_this_runs_newest_checkpoints(tmp_path, held, saved_step, limit, kept):
     for name in held:
         (tmp_path / name).mkdir()
     cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
                         "--save_steps", "1", "--save_total_limit", str(limit)])
     apply_retention(cfg, saved_step=saved_step)
     assert sorted(os.listdir(tmp_path)) == kept
-
-
-def test_retention_removes_the_lowest_steps_not_the_first_names(tmp_path):
-    # Steps by number: as text, checkpoint-10 sorts before checkpoint-8 and would go while the older one stays.
-    for step in [8, 10, 12]:
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_steps", "2", "--save_total_limit", "2"])
-    apply_retention(cfg, saved_step=12)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12"]
-
-
-def test_retention_keeps_every_checkpoint_while_there_are_fewer_than_the_limit(tmp_path):
-    """Fewer checkpoints than save_total_limit: retention removes none of them, the oldest included."""
-    for step in [2, 4, 6]:
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path),
-                        "--save_steps", "2", "--save_total_limit", "4"])
-    apply_retention(cfg, saved_step=6)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
 
 
 def test_a_checkpoint_retention_cannot_remove_is_a_warning_not_a_failed_save(tmp_path, monkeypatch, capsys):
