@@ -222,6 +222,12 @@ def model_folder_advice(path: str, resuming: bool) -> str:
             f"with --model_name_or_path {path}{elsewhere}")
 
 
+def train_weights_further(path: str) -> str:
+    """The way on for a checkpoint a run cannot resume: its weights, converted, start a fresh run."""
+    return (f"convert its weights (`python -m fsdp_recipes.convert {path} <out_dir>`) to train them further in a "
+            f"fresh run with --model_name_or_path <out_dir>")
+
+
 def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")) -> dict:
     """The trainer state of the checkpoint at `path`; a CheckpointError that names the problem if it is unusable.
     Checks the model, config.json and `parts` (the converter reads neither the optimizer state nor the RNG states)."""
@@ -243,9 +249,7 @@ def validate_checkpoint(path: str, parts: tuple[str, ...] = ("optimizer", "rng")
     absent = [name for name in parts if not os.path.isdir(os.path.join(path, name))]
     if absent:
         raise CheckpointError(f"{path} has no {' or '.join(f'{name}/' for name in absent)} folder, which a resume "
-                              f"needs: resume from a complete checkpoint, or convert this one's weights (`python -m "
-                              f"fsdp_recipes.convert {path} <out_dir>`) to train them further in a fresh run with "
-                              f"--model_name_or_path <out_dir>")
+                              f"needs: resume from a complete checkpoint, or {train_weights_further(path)}")
     if "optimizer" in parts:
         read_dcp_metadata(os.path.join(path, "optimizer"))
     for name in ["config.json", *state.get("model_files", [])]:  # the list: since 2026-12 (older ones lack it)
@@ -643,8 +647,7 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
         raise CheckpointError(
             f"{os.path.dirname(path)} groups the parameters for weight decay otherwise than this version of the "
             f"project does (it moved {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}; biases and norm "
-            f"weights get none): resume with the version that saved it, or start a fresh run from the weights "
-            f"(`python -m fsdp_recipes.convert {os.path.dirname(path)} <out_dir>`)")
+            f"weights get none): resume with the version that saved it, or {train_weights_further(os.path.dirname(path))}")
     set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=not absent))
     if absent:
         params = {state_dict_name(name): param for name, param in model.named_parameters()}

@@ -15,7 +15,8 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from .checkpoint import (STATE_NAME, CheckpointError, checkpoint_steps, compute_settings, latest_checkpoint,
-                         master_dtype, read_dcp_metadata, training_data_identity, validate_checkpoint)
+                         master_dtype, read_dcp_metadata, train_weights_further, training_data_identity,
+                         validate_checkpoint)
 from .config import ROUTER_LOSS_KEYS, TrainConfig
 from .data_formats import DEFAULT_CHAT_TEMPLATE
 from .distributed import RunComplete, print_rank0, ranks
@@ -78,23 +79,22 @@ def resolve_resume(cfg: TrainConfig, model: nn.Module, tokenizer, train_dataset)
     if differ:
         raise CheckpointError(f"{path} was saved by a run with another training config ({'; '.join(differ)}): a "
                               f"resume continues that run, whose data position and optimizer settings the checkpoint "
-                              f"holds, so resume with the checkpoint's values, or start a fresh run (without "
-                              f"--resume_from_checkpoint)")
+                              f"holds, so resume with the checkpoint's values, or {train_weights_further(path)}")
     # The same examples as other tokens would make the data position point at other data.
     differ = tokenizer_differences(AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code),
                                    tokenizer)
     if differ:
         raise CheckpointError(f"{path} was saved with another tokenizer (its {', '.join(differ)} differ): resume "
-                              f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or start a fresh "
-                              f"run")
+                              f"with the checkpoint's tokenizer (--tokenizer_name_or_path {path}), or "
+                              f"{train_weights_further(path)}")
     # The same dataset_name with other content (a file edited or replaced in place): the data position would
     # point at other examples.
     differ = training_data_differences(state, train_dataset)
     if differ:
         raise CheckpointError(f"{path} was saved by a run whose training data differ from this run's "
                               f"{cfg.dataset_name} ({differ}): a resume continues at step {state['step']} of that "
-                              f"data's order, so resume with the data the checkpoint was trained on, or start a "
-                              f"fresh run (without --resume_from_checkpoint)")
+                              f"data's order, so resume with the data the checkpoint was trained on, or "
+                              f"{train_weights_further(path)}")
     report_other_computation(path, state, model, cfg, dist.get_world_size())  # a resume the checks above let through
     total_steps = count_total_steps(cfg, train_dataset, dist.get_world_size())
     # The checkpoint's own run's length: the same data and global batch (compared above), its max_steps and epochs.

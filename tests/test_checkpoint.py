@@ -419,8 +419,8 @@ def test_a_checkpoint_with_other_weight_decay_groups_is_refused(tiny, tmp_path, 
     assert str(error.value) == (
         f"{tmp_path / 'checkpoint-1'} groups the parameters for weight decay otherwise than this version of the "
         f"project does (it moved model.norm.weight; biases and norm weights get none): resume with the version that "
-        f"saved it, or start a fresh run from the weights (`python -m fsdp_recipes.convert "
-        f"{tmp_path / 'checkpoint-1'} <out_dir>`)")
+        f"saved it, or convert its weights (`python -m fsdp_recipes.convert {tmp_path / 'checkpoint-1'} <out_dir>`) to "
+        f"train them further in a fresh run with --model_name_or_path <out_dir>")
 
 
 def rng_draws() -> tuple:
@@ -795,7 +795,7 @@ def test_bad_checkpoints_are_named_and_left_untouched(reference, tmp_path):
     # Removed to save space, as the converter allows: the folder was reported as "its .metadata file is missing".
     shutil.copytree(reference / "checkpoint-6", tmp_path / "no_optimizer", ignore=shutil.ignore_patterns("optimizer"))
     cases["no_optimizer"] = (rf"no_optimizer has no optimizer/ folder, which a resume needs: resume from a complete "
-                             rf"checkpoint, or convert this one's weights \(`python -m fsdp_recipes.convert "
+                             rf"checkpoint, or convert its weights \(`python -m fsdp_recipes.convert "
                              rf"{tmp_path}/no_optimizer <out_dir>`\) to train them further in a fresh run with "
                              rf"--model_name_or_path <out_dir>$")
     shutil.copytree(reference / "checkpoint-6", tmp_path / "for_convert",
@@ -1996,7 +1996,8 @@ def test_resume_with_another_training_config_is_refused_listing_each_key(tiny, r
         f"global batch (world size x per_device_train_batch_size x gradient_accumulation_steps): checkpoint 16 "
         f"(2 ranks x 4 x 2), now 8 (1 rank x 4 x 2), kept on 1 rank by --gradient_accumulation_steps 4 (1 rank "
         f"x 4 x 4)): a resume continues that run, whose data position and optimizer settings the checkpoint holds, "
-        f"so resume with the checkpoint's values, or start a fresh run (without --resume_from_checkpoint)")
+        f"so resume with the checkpoint's values, or convert its weights (`python -m fsdp_recipes.convert {checkpoint} "
+        f"<out_dir>`) to train them further in a fresh run with --model_name_or_path <out_dir>")
     # A world size whose layouts cannot give the checkpoint's 16 sequences, or a batch that does not divide them.
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert training_config_differences(state, cfg, 3, "float32") == [
@@ -2227,7 +2228,9 @@ def test_resume_with_another_tokenizer_is_refused(tiny, reference, one_process_g
             resolve_resume(cfg, model, changed, data)
         assert str(error.value) == (
             f"{checkpoint} was saved with another tokenizer (its {parts} differ): resume with the checkpoint's "
-            f"tokenizer (--tokenizer_name_or_path {checkpoint}), or start a fresh run")
+            f"tokenizer (--tokenizer_name_or_path {checkpoint}), or convert its weights (`python -m "
+            f"fsdp_recipes.convert {checkpoint} <out_dir>`) to train them further in a fresh run with "
+            f"--model_name_or_path <out_dir>")
 
 
 def test_resume_with_training_data_changed_in_place_is_refused(tiny, reference, tmp_path, one_process_group):
@@ -2254,7 +2257,8 @@ def test_resume_with_training_data_changed_in_place_is_refused(tiny, reference, 
             f"{checkpoint} was saved by a run whose training data differ from this run's {tiny['data']} ({what}")
         assert str(error.value).endswith(
             "): a resume continues at step 6 of that data's order, so resume with the data the checkpoint was trained "
-            "on, or start a fresh run (without --resume_from_checkpoint)")
+            f"on, or convert its weights (`python -m fsdp_recipes.convert {checkpoint} <out_dir>`) to train them further "
+            f"in a fresh run with --model_name_or_path <out_dir>")
     # A data file copied or touched with the same content keeps its identity (not the datasets fingerprint).
     copy = built("copy.jsonl", rows)
     os.utime(tmp_path / "copy.jsonl", (1e9, 1e9))
