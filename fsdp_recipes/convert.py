@@ -18,11 +18,13 @@ it, which the next conversion into out_dir names).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import io
 import json
 import os
+import pickle
 import shutil
 import struct
 import tempfile
@@ -238,15 +240,20 @@ def read_chunk_into(tensor: torch.Tensor, first_row: int, chunk, info, model_dir
     holds the tensor's rows from `first_row` on (a 0-d tensor: all of it), straight into its bytes.
 
     DCP stores each chunk as a torch.save zip archive at `info.offset` of a data file; the chunk's storage is one
-    uncompressed record in it. Reading that record into the destination directly, without unpickling anything,
-    keeps one copy of the tensor in memory instead of two. Returns False (nothing read) for any other layout.
+    uncompressed record in it. Reading that record into the destination directly, without rebuilding the tensor
+    (its pickle is read for its strides alone), keeps one copy of the tensor in memory instead of two. Returns False
+    (nothing read) for any other layout, a tensor stored with other strides (a transposed one) included.
     """
     if getattr(info, "transform_descriptors", None) or any(chunk.offsets[1:]) or chunk.sizes[1:] != tensor.shape[1:]:
         return False
     with open(os.path.join(model_dir, info.relative_path), "rb") as f:
         try:
-            records = zipfile.ZipFile(_FileSlice(f, info.offset, info.length)).infolist()
-        except zipfile.BadZipFile:
+            archive = zipfile.ZipFile(_FileSlice(f, info.offset, info.length))
+            records = archive.infolist()
+            # The storage's bytes are in the tensor's order only if it is stored contiguous.
+            if not _stored_contiguous(archive.read(next(r for r in records if r.filename.endswith("/data.pkl")))):
+                return False
+        except (zipfile.BadZipFile, StopIteration):
             return False
         storage = [r for r in records if "/data/" in r.filename]
         if len(storage) != 1 or storage[0].compress_type != zipfile.ZIP_STORED:
@@ -267,6 +274,32 @@ def read_chunk_into(tensor: torch.Tensor, first_row: int, chunk, info, model_dir
         f.seek(info.offset + record.header_offset + 30 + name_length + extra_length + (first - start) * row_bytes)
         target = rows[first - first_row:end - first_row]
         return f.readinto(memoryview(target.view(torch.uint8).numpy()).cast("B")) == (end - first) * row_bytes
+
+
+def _stored_contiguous(data_pkl: bytes) -> bool:
+    """Whether a torch.save record's tensor (its data.pkl) starts its storage and is laid out row-major in it. Only
+    its offset, shape and strides are read: nothing is rebuilt (any other content: False)."""
+    try:
+        offset, size, stride = _TensorLayout(io.BytesIO(data_pkl)).load()
+    except (pickle.UnpicklingError, TypeError, ValueError):
+        return False
+    return offset == 0 and torch.empty_strided(size, stride, device="meta").is_contiguous()
+
+
+class _TensorLayout(pickle.Unpickler):
+    """Unpickles a plain tensor's data.pkl into (storage offset, shape, strides); any other class is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (offset, size, stride)
+        if (module, name) == ("collections", "OrderedDict"):  # the tensor's (empty) backward hooks
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):  # the storage's type, in its persistent id
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return None  # the storage itself, which is read straight from its record instead
 
 
 class _FileSlice(io.RawIOBase):

@@ -944,6 +944,26 @@ def test_converter_reads_a_tensor_with_fewer_rows_than_ranks(tmp_path):
     assert torch.equal(tensor, gate)
 
 
+def test_converter_reads_a_tensor_stored_with_other_strides_in_its_own_order(tmp_path):
+    """DCP saves a transposed tensor (a persistent buffer made by .t()) with its strides: the direct reader, which
+    copies the storage's bytes in order, converted it transposed, without a word."""
+    weight = torch.arange(24.0).reshape(4, 6)
+    model_dir = tmp_path / "checkpoint" / "model"
+    dcp.save({"transposed": weight.t(), "plain": weight}, checkpoint_id=model_dir, no_dist=True)
+    _, _, load_tensor, load_row = convert_module.sharded_checkpoint_tensors(str(tmp_path / "checkpoint"))
+    assert torch.equal(load_tensor("transposed"), weight.t())
+    assert torch.equal(load_row("transposed", 2), weight.t()[2:3])
+    assert torch.equal(load_tensor("plain"), weight)
+    # Only the transposed one is left to dcp.load: the plain one is still read straight into place.
+    metadata = pickle.loads((model_dir / ".metadata").read_bytes())
+    read = {}
+    for name in ["transposed", "plain"]:
+        [chunk] = metadata.state_dict_metadata[name].chunks
+        info = metadata.storage_data[MetadataIndex(name, chunk.offsets)]
+        read[name] = convert_module.read_chunk_into(torch.empty(chunk.sizes), 0, chunk, info, str(model_dir))
+    assert read == {"transposed": False, "plain": True}
+
+
 def test_converter_refuses_an_empty_mount_point_before_writing(reference, tmp_path):
     # The finished folder is renamed onto the output folder, which a mount point cannot take: refused at once, not
     # after writing the whole model on the parent's filesystem.
