@@ -335,6 +335,36 @@ def test_written_tensor_bytes_start_8_byte_aligned_as_safetensors_writes_them(tm
                                                                      metadata={"format": "pt"}), name
 
 
+def test_shards_stay_under_max_shard_size_and_the_index_names_the_file_of_each_tensor(tmp_path):
+    # Five 40 KB tensors in files of at most 100 KB: two to a file. A tensor over the limit gets a file of its own;
+    # cast to bf16 4 MB at a time, its 2**20 + 3 elements end in a partial slice.
+    torch.manual_seed(0)
+    tensors = {f"w{i}": torch.randn(10_000) for i in range(5)} | {"big": torch.randn(2**20 + 3)}
+    dtypes = {name: torch.float32 for name in tensors} | {"big": torch.bfloat16}
+    write_hf_weights(str(tmp_path), {name: t.shape for name, t in tensors.items()}, dtypes, "100KB",
+                     tensors.__getitem__)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert index["weight_map"] == {"w0": files[0], "w1": files[0], "w2": files[1], "w3": files[1], "big": files[2],
+                                   "w4": files[3]}
+    assert index["metadata"] == {"total_size": 5 * 40_000 + (2**20 + 3) * 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*files, "model.safetensors.index.json"])
+    for name, file in index["weight_map"].items():
+        assert torch.equal(safetensors.torch.load_file(tmp_path / file)[name], tensors[name].to(dtypes[name])), name
+    # A loader that gives another shape than the one planned (the header already written) is an error, not a file
+    # whose bytes do not match its header.
+    with pytest.raises(ValueError, match=r"^w0 has shape \(3,\), expected \(10000,\)$"):
+        write_hf_weights(str(tmp_path), {"w0": torch.Size([10_000])}, {"w0": torch.float32}, "5GB",
+                         lambda _: torch.zeros(3))
+    # A source's own dtype that safetensors files here cannot hold: refused before any file is opened.
+    (tmp_path / "fp8").mkdir()
+    with pytest.raises(ValueError, match=r"^cannot write torch.float8_e4m3fn tensors: safetensors files here hold "
+                                         r"torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64"):
+        write_hf_weights(str(tmp_path / "fp8"), {"w": torch.Size([2])}, {"w": torch.float8_e4m3fn}, "5GB",
+                         lambda _: torch.zeros(2))
+    assert os.listdir(tmp_path / "fp8") == []
+
+
 def test_save_dtype_auto_is_the_dtype_config_json_records(tmp_path):
     tokenizer = demo.build_tokenizer()
     config = demo.tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
