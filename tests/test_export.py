@@ -83,6 +83,26 @@ def test_rank0_loading_exports_the_hub_layout(tmp_path, fsdp_version, one_proces
     assert all(torch.equal(final.get_tensor(k), source.get_tensor(k)) for k in source.keys())
 
 
+def test_a_model_whose_hub_layout_joins_tensors_is_exported_in_its_own_layout(tmp_path, one_process_group, capsys):
+    # HRM's Hub files hold gate_up_proj, which transformers splits into gate_proj and up_proj on load. Reverted one
+    # tensor at a time, each half would be written as the whole gate_up_proj (one overwriting the other): the export
+    # keeps the split tensors, which from_pretrained loads as they are.
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model("hrm_text", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                  num_attention_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "source")
+    capsys.readouterr()
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    assert capsys.readouterr().out == (
+        "export: HrmTextForCausalLM's original layout joins several tensors into one: its weights are written in "
+        "transformers' in-memory layout, which from_pretrained also loads\n")
+    written = safetensors.torch.load_file(tmp_path / "final" / "model.safetensors")
+    expected = model.state_dict()
+    assert "model.L_module.layers.0.mlp.gate_proj.weight" in written and written.keys() == expected.keys()
+    assert all(torch.equal(written[name], tensor) for name, tensor in expected.items())
+
+
 KEEPS_FP32 = {  # models whose classes keep some weights in fp32 (_keep_in_fp32_modules_strict) in bf16
     # The router's e_score_correction_bias (and gate.weight, in transformers 5.24), named as on the Hub.
     "glm4_moe": dict(intermediate_size=64, moe_intermediate_size=16, first_k_dense_replace=1, num_key_value_heads=1,
