@@ -47,7 +47,7 @@ from fsdp_recipes.convert import convert
 from fsdp_recipes.data import build_datasets
 from fsdp_recipes.distributed import DistEnv, RunComplete
 from fsdp_recipes import convert as convert_module, demo, trainer
-from fsdp_recipes.export import replace_dir, save_hf_model
+from fsdp_recipes.export import fsync as export_fsync, replace_dir, save_hf_model
 from fsdp_recipes.metrics import MetricsLogger, library_versions
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.output_dir import lock_output_dir, prepare_output_dir, remove_earlier_run
@@ -212,6 +212,13 @@ def test_a_folder_that_cannot_be_synced_does_not_stop_a_save(tiny, tmp_path, one
     monkeypatch.undo()
     assert (tmp_path / "latest").read_text() == "checkpoint-2"
     assert validate_checkpoint(str(tmp_path / "checkpoint-2"))["step"] == 2
+    # A file that cannot be synced is another matter: its bytes may not be on the disk.
+    def fsync_refused(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", fsync_refused)
+    with pytest.raises(OSError, match=r"^\[Errno 22\] Invalid argument$"):
+        export_fsync(str(tmp_path / "latest"))
 
 
 @pytest.fixture
