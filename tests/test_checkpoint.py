@@ -1070,6 +1070,7 @@ def test_a_checkpoint_missing_a_model_file_is_refused_and_one_without_its_resume
                                     "tokenizer_config.json"]
     shutil.rmtree(os.path.join(checkpoint, "optimizer"))  # removable to save space: the converter does not read it
     shutil.rmtree(os.path.join(checkpoint, "rng"))
+    (tmp_path / "hf").mkdir()  # made beforehand: an empty output folder is taken
     convert(checkpoint, str(tmp_path / "hf"))
     assert sorted(os.listdir(tmp_path / "hf")) == ["chat_template.jinja", "config.json", "generation_config.json",
                                                    "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -1195,7 +1196,7 @@ def test_converter_refuses_bad_input_without_writing(reference, tmp_path):
                                 f"choose an output folder outside it")
     assert snapshot(reference) == before
     with pytest.raises(ConfigError, match="max_shard_size must be a positive size such as 5GB, 500MB or 4GiB"):
-        convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), max_shard_size="5G")
+        convert(str(reference / "checkpoint-6"), str(tmp_path / "new" / "out"), max_shard_size="5G")  # no new/ made
     # A failure while writing (a dtype safetensors cannot hold) removes the converter's own folder, nothing else.
     with pytest.raises(ValueError, match="cannot write torch.int8 weights"):
         convert(str(reference / "checkpoint-6"), str(tmp_path / "out"), torch.int8)
