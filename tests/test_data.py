@@ -973,18 +973,19 @@ def test_collate_pads_to_the_longest_in_the_batch():
 
 
 def test_pack_restarts_positions_and_masks_the_first_label_of_each_example():
-    examples = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}
+    # The last example's prompt (6, 7) carries no loss, and keeps none packed.
+    examples = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]], "labels": [[1, 2, 3], [4, 5], [-100, -100, 8, 9]]}
     packed = pack_examples(pyarrow.table(examples), max_seq_length=6).to_pydict()
     assert packed["input_ids"] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     assert packed["position_ids"] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
-    assert packed["labels"] == [[-100, 2, 3, -100, 5], [-100, 7, 8, 9]]
+    assert packed["labels"] == [[-100, 2, 3, -100, 5], [-100, -100, 8, 9]]
     batch = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0)
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]  # padding: a segment of its own
     assert set(model_inputs(batch)) == {"input_ids", "position_ids"}
     flat = collate([{k: v[i] for k, v in packed.items()} for i in range(2)], 0, flatten=True)
     assert flat["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert flat["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert flat["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, 7, 8, 9]]
+    assert flat["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9]]
 
 
 def test_packed_rows_fill_max_seq_length_exactly_where_the_examples_fit():
