@@ -962,6 +962,10 @@ def test_formats_are_detected_from_columns_or_forced():
     with pytest.raises(ConfigError, match=r"found the columns \['question', 'answer'\]; expected chat: messages; "
                                           r"instruction: instruction, output; .*text: text"):
         detect_format(["question", "answer"])
+    # A format needs all its columns: a prompt beside a `response`, not a completion, is no prompt_completion.
+    with pytest.raises(ConfigError, match=r"^cannot read the data as any format: found the columns \['prompt', "
+                                          r"'response'\]; expected chat"):
+        detect_format(["prompt", "response"])
 
 
 def test_collate_pads_to_the_longest_in_the_batch():
