@@ -1561,7 +1561,9 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys
     assert "2 longer than max_seq_length=16 (truncated)" in capsys.readouterr().out
     train, _ = build_datasets(cfg(tmp_path / "d.jsonl", max_seq_length=16, overlong_examples="drop"), TOKENIZER)
     assert [len(ids) for ids in list(train["input_ids"])] == [5, 12, 16]
-    assert "2 longer than max_seq_length=16 (dropped)" in capsys.readouterr().out
+    # Those dropped for their length are not counted again as dropped for having no label tokens.
+    assert ("5 examples (text), 2 longer than max_seq_length=16 (dropped), 0 dropped for having no label tokens, "
+            "3 kept") in capsys.readouterr().out
 
 
 def test_the_counts_of_the_tokenized_rows_are_summed_without_reading_a_column_into_python(tmp_path, monkeypatch,
