@@ -692,6 +692,10 @@ def test_tool_calls_and_answers_are_learnt_with_the_tools_and_results_in_the_pro
         arrow = {"messages": [others[0], call, *others[2:]],
                  "tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": None}}]}
         assert render_with_loss_spans(arrow, "chat", tokenizer) == (text, spans)
+        if tokenizer is not llama:  # Qwen's templates also take a call without its `function` wrapper
+            bare = {**call, "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
+            assert render_with_loss_spans({**TOOL_CHAT, "messages": [others[0], bare, *others[2:]]}, "chat",
+                                          tokenizer) == (text, spans)
         # An empty tool_calls is no call (JSON exports give every message one).
         empty = {**TOOL_CHAT, "messages": [{"tool_calls": [], **message} for message in TOOL_CHAT["messages"]]}
         assert tokenize_example(empty, "chat", tokenizer, 1024) == out
