@@ -1007,6 +1007,17 @@ def test_packed_rows_fill_max_seq_length_exactly_where_the_examples_fit():
                                       [0, 1]]
 
 
+def test_the_loader_concatenates_packed_rows_into_one_for_flash_attention_only():
+    # Flash attention reads example boundaries from position_ids in a batch of one row alone; sdpa pads rows.
+    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "position_ids": [0, 1, 2]},
+            {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1]}]
+    for attn, input_ids, position_ids in [("flash_attention_2", [[1, 2, 3, 4, 5]], [[0, 1, 2, 0, 1]]),
+                                          ("sdpa", [[1, 2, 3], [4, 5, 0]], [[0, 1, 2], [0, 1, 0]])]:
+        config = cfg("unused", packing=True, attn_implementation=attn, per_device_train_batch_size=2)
+        batch = next(iter(build_dataloader(datasets.Dataset.from_list(rows), config, TOKENIZER, 0, 1, False)))
+        assert [batch["input_ids"].tolist(), batch["position_ids"].tolist()] == [input_ids, position_ids]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_logits_equal_each_example_alone(tiny, attn):
     model = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32, attn_implementation=attn).eval()
