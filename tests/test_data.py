@@ -716,9 +716,10 @@ def test_qwen3_answers_after_the_last_user_message_and_earlier_calls_with_reason
     answer = lambda content, **fields: {"role": "assistant", "content": content, **fields}
     thanks = [{"role": "user", "content": "thanks"}, answer("ok")]
     cases = [  # the messages, the turns that carry loss, how many messages' reasoning is left out
-        # Answers in a row: the first, without reasoning, has no think block in the whole chat.
+        # Answers in a row: the first, without reasoning, has no think block in the whole chat. The newlines after a
+        # reasoning_content, which the template strips, do not count it as left out.
         ([user, answer("ba"), answer("dc")], ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"], 0),
-        ([user, answer("ba"), answer("dc", reasoning_content="flip"), answer("<think>turn</think>fe")],
+        ([user, answer("ba"), answer("dc", reasoning_content="flip\n\n"), answer("<think>turn</think>fe")],
          ["ba<|im_end|>\n", "<think>\nflip\n</think>\n\ndc<|im_end|>\n", "<think>\nturn\n</think>\n\nfe<|im_end|>\n"], 0),
         # After the last user message: a call keeps its reasoning, an answer without has none.
         ([user, answer("", tool_calls=[CALL], reasoning_content="need weather"), result, answer("", tool_calls=[CALL]),
