@@ -865,6 +865,11 @@ def test_a_conversation_that_opens_with_the_assistant_carries_loss_on_that_turn(
         text, spans = render_with_loss_spans({"messages": [{"role": "assistant", "content": content}]}, "chat",
                                              tokenizer)
         assert [text[s:e] for s, e in spans] == [f"{content}<|eot_id|>"]
+    # A template that leaves out an opening answer: refused, not trained on the answers after it alone.
+    skips_it = char_tokenizer("{% for m in messages %}{% if not (loop.first and m.role == 'assistant') %}{{ m.role + "
+                              "': ' + m.content + eos_token }}{% endif %}{% endfor %}", None, "</s>", ["</s>"])
+    with pytest.raises(ConfigError, match=r"^row 1: .* so assistant turns cannot be located"):
+        tokenize_example(chat, "chat", skips_it, 64)
 
 
 def test_a_template_whose_prompt_is_no_prefix_of_the_chat_is_refused_for_completion_only_loss():
