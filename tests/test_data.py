@@ -30,10 +30,11 @@ import torch.distributed as dist
 import yaml
 import zstandard
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, CTRLConfig, CTRLLMHeadModel,
-                          GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM, JambaConfig, LlamaConfig,
-                          LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig, XGLMForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, BioGptConfig, BloomConfig, ByT5Tokenizer, CTRLConfig,
+                          CTRLLMHeadModel, GPT2Config, GPT2LMHeadModel, GPTJConfig, GPTJForCausalLM, JambaConfig,
+                          LlamaConfig, LlamaForCausalLM, Lfm2Config, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, RwkvConfig, RwkvForCausalLM, XGLMConfig,
+                          XGLMForCausalLM)
 
 from fsdp_recipes import data as data_module, data_sources, demo
 from fsdp_recipes.config import ConfigError, TrainConfig, parse_config
@@ -1896,6 +1897,12 @@ def test_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
     for config, message in bad_input_cases(tmp_path):
         with pytest.raises(ConfigError, match=message):
             build_datasets(config, TOKENIZER)
+
+
+def test_a_tokenizer_without_character_offsets_is_refused():
+    # Loss masks map characters to tokens through offsets, which Python tokenizers (ByT5's) leave out unasked.
+    with pytest.raises(ConfigError, match=r"^ByT5Tokenizer is not a fast tokenizer; the data pipeline needs one$"):
+        build_datasets(cfg("unused"), ByT5Tokenizer())
 
 
 def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
