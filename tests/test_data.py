@@ -2229,6 +2229,11 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
                 num_attention_heads=2, max_position_embeddings=64)
     llama = LlamaForCausalLM(LlamaConfig(**tiny))
     check_model_reads_data(llama, tokenizer, 64, data)
+    # An id one past the embedding table, in any split (here the eval split's).
+    beyond = datasets.Dataset.from_dict({"input_ids": [[len(tokenizer)]]})
+    with pytest.raises(ConfigError, match=f"^the data holds token id {len(tokenizer)}, and the model's embedding table "
+                                          f"has {len(tokenizer)} rows: use the model's own tokenizer"):
+        check_model_reads_data(llama, tokenizer, 64, data, beyond)
     # GPT-2's learned position embeddings (n_positions) have no row beyond: refused.
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, n_positions=16))
     check_model_reads_data(gpt2, tokenizer, 16, data)
@@ -2277,7 +2282,9 @@ def test_a_pad_token_or_a_length_the_model_has_no_row_for_is_refused(capsys):
     llama3 = LlamaForCausalLM(LlamaConfig(**tiny, rope_scaling={
         "rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0}))
-    for model, length, context in [(llama, 65, 64), (yarn, 257, 256), (llama3, 65, 64)]:
+    # An embedding table with as many rows as positions (Mistral 7B v0.3's 32768) is no position table.
+    square = LlamaForCausalLM(LlamaConfig(**{**tiny, "vocab_size": 64}))
+    for model, length, context in [(llama, 65, 64), (yarn, 257, 256), (llama3, 65, 64), (square, 65, 64)]:
         check_model_reads_data(model, tokenizer, length, data)
         assert capsys.readouterr().out == (
             f"warning: max_seq_length {length} is longer than the {context} positions the model was trained for "
