@@ -720,6 +720,9 @@ def test_qwen3_answers_after_the_last_user_message_and_earlier_calls_with_reason
         # Answers in a row: the first, without reasoning, has no think block in the whole chat. The newlines after a
         # reasoning_content, which the template strips, do not count it as left out.
         ([user, answer("ba"), answer("dc")], ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"], 0),
+        # An answer that repeats the user's words: found after them, not in them.
+        ([{"role": "user", "content": "ba"}, answer("ba"), answer("dc")],
+         ["ba<|im_end|>\n", "<think>\n\n</think>\n\ndc<|im_end|>\n"], 0),
         ([user, answer("ba"), answer("dc", reasoning_content="flip\n\n"), answer("<think>turn</think>fe")],
          ["ba<|im_end|>\n", "<think>\nflip\n</think>\n\ndc<|im_end|>\n", "<think>\nturn\n</think>\n\nfe<|im_end|>\n"], 0),
         # After the last user message: a call keeps its reasoning, an answer without has none.
