@@ -2357,6 +2357,11 @@ def test_the_token_that_closes_an_assistant_turn_is_found(template, closing):
     assert tokenizer.convert_ids_to_tokens(turn_closing_token_id(tokenizer)) == closing
 
 
+def test_a_tokenizer_without_a_chat_template_closes_no_turn():
+    # Trained on prompt/completion or text data alone, it is exported without one: generation stops at its EOS alone.
+    assert turn_closing_token_id(char_tokenizer(None, None, "</s>", ["</s>"])) is None
+
+
 # Beside the data of a clone of a Hub data set's repository, or a colleague's folder: no data by datasets' rules.
 NO_DATA = {"LICENSE": "MIT", "NOTICE": "Copyright", "LICENSE.md": "MIT", "README.md": "# Data\n",
            ".gitattributes": "*.jsonl filter=lfs", "dataset_infos.json": '{"default": {}}'}
