@@ -230,7 +230,9 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
         raise ConfigError(f"dataset_weights has {len(weights)} values for {len(names)} data sets in dataset_name: give "
                           f"one weight per data set, in dataset_name's order")
     if not tokenizer.is_fast:  # loss masks map characters to tokens through the fast tokenizers' offsets
-        raise ConfigError(f"{type(tokenizer).__name__} is not a fast tokenizer; the data pipeline needs one")
+        raise ConfigError(f"{type(tokenizer).__name__} is a Python tokenizer, without the character offsets of a fast "
+                          f"one (tokenizer.json, from the tokenizers library) that the loss masks are built from: set "
+                          f"tokenizer_name_or_path to a folder that holds a tokenizer.json of the same vocabulary")
 
     config_names = per_source(cfg.dataset_config_name, names, "dataset_config_name")
     splits = per_source(cfg.dataset_split, names, "dataset_split")

@@ -1905,7 +1905,10 @@ def test_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
 
 def test_a_tokenizer_without_character_offsets_is_refused():
     # Loss masks map characters to tokens through offsets, which Python tokenizers (ByT5's) leave out unasked.
-    with pytest.raises(ConfigError, match=r"^ByT5Tokenizer is not a fast tokenizer; the data pipeline needs one$"):
+    with pytest.raises(ConfigError, match=r"^ByT5Tokenizer is a Python tokenizer, without the character offsets "
+                                          r"of a fast one \(tokenizer.json, from the tokenizers library\) that the loss "
+                                          r"masks are built from: set tokenizer_name_or_path to a folder that holds a "
+                                          r"tokenizer.json of the same vocabulary$"):
         build_datasets(cfg("unused"), ByT5Tokenizer())
 
 
