@@ -1517,6 +1517,30 @@ def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
         build_datasets(cfg(tmp_path / "dict", dataset_split="train[:5]", eval_split="all"), TOKENIZER)
 
 
+def test_an_eval_split_that_shares_a_single_row_or_names_all_is_refused(tmp_path):
+    """The held-out check counts every shared row: one row, a training slice written after the one it overlaps,
+    a split name spaced around '+', and 'all' on either side (every split, the held-out one among them); and it reads
+    a Hub copy's splits with its config."""
+    demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
+                          "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
+    for path, split, eval_split, shared in [("d.jsonl", "train[:21]", "train[20:]", "1 rows"),
+                                            ("d.jsonl", "train[50%:]+train[:60%]", "train[:10%]", "4 rows"),
+                                            ("dict", "train", "test + train[25:]", "5 rows"),
+                                            ("dict", "all", "test", "rows ('all' is every split)")]:
+        with pytest.raises(ConfigError) as error:
+            data_sources.check_held_out(str(tmp_path / path), None, split, eval_split)
+        assert str(error.value).startswith(f"{tmp_path / path}: eval_split '{eval_split}' and dataset_split '{split}' "
+                                           f"share {shared}, which the evaluation would report as held out"), (
+            str(error.value))
+    data_sources.check_held_out(str(tmp_path / "d.jsonl"), None, "train[:20]", "train[20:]")  # adjacent: disjoint
+    # A local copy of a Hub data set: its splits' lengths are read from the config named.
+    write_multi_config_copy(tmp_path / "copy")
+    data_sources.check_held_out(str(tmp_path / "copy"), "socratic", "train[:6]", "train[6:]")
+    with pytest.raises(ConfigError, match=r"copy: eval_split 'train\[6:\]' and dataset_split 'train' share 2 rows"):
+        data_sources.check_held_out(str(tmp_path / "copy"), "socratic", "train", "train[6:]")
+
+
 def test_only_the_splits_named_are_read(tmp_path):
     """A split the run does not name is not read: a broken test file beside train.jsonl stops only a run that
     evaluates on it."""
