@@ -1980,6 +1980,38 @@ def test_a_bad_row_of_a_data_file_names_the_file_and_its_line(tmp_path):
         build_datasets(cfg(tmp_path / "splits", eval_split="test[2:]"), TOKENIZER)
 
 
+def test_a_row_or_line_at_a_boundary_is_named_where_it_is(tmp_path):
+    """The first row of a folder's second file is in that file; the row after a CSV cell's quoted line break starts
+    where that break ended; a JSON line that is no object is named past a line of null (a row of nulls); a row of
+    a pretty-printed JSON array has its number; a CSV row of empty cells counts; a type conflict is found past a
+    null on the same line."""
+    (tmp_path / "folder").mkdir()
+    demo.write_jsonl(tmp_path / "folder" / "a.jsonl", ROWS[:3])
+    (tmp_path / "folder" / "b.jsonl").write_text(f"\n{json.dumps(ROWS[3])}\n")
+    assert [data_sources.row_origin(str(tmp_path / "folder"), "train", index) for index in (2, 3)] == [
+        "a.jsonl, line 3", "b.jsonl, line 2"]
+    (tmp_path / "f.csv").write_text('prompt,completion\n"two\nlines",x\nsay ho\n')
+    with pytest.raises(ConfigError, match=r"^cannot parse .*f.csv, line 4: 1 fields, the header has 2 "):
+        load_split(str(tmp_path / "f.csv"), None, "train")
+    (tmp_path / "null.jsonl").write_text('{"text": "a"}\nnull\n"b"\n')
+    with pytest.raises(ConfigError, match=r"^cannot parse .*null.jsonl, line 3: a string, not an object: "):
+        load_split(str(tmp_path / "null.jsonl"), None, "train")
+    # One JSON array written over several lines in a .jsonl file: its rows are no lines.
+    (tmp_path / "array.jsonl").write_text(json.dumps(ROWS[:3], indent=1) + "\n")
+    assert data_sources.row_origin(str(tmp_path / "array.jsonl"), "train", 1) == "row 2"
+    # A CSV row of empty cells is a row, as pandas reads it; a field null on a line leaves the line's others checked.
+    (tmp_path / "e.csv").write_text("prompt,completion\n,\nx,y\n")
+    assert data_sources.row_origin(str(tmp_path / "e.csv"), "train", 1) == "line 3"
+    (tmp_path / "types.jsonl").write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": null, "completion": 1}\n')
+    with pytest.raises(ConfigError, match=r"^cannot parse .*types.jsonl, line 3: 'completion' is a number, and on "
+                                          r"line 1 a string: give the field one type in every row$"):
+        load_split(str(tmp_path / "types.jsonl"), None, "train")
+    (tmp_path / "flags.jsonl").write_text('{"text": "a", "n": 1}\n\n{"text": "b", "n": true}\n')
+    with pytest.raises(ConfigError, match=r"^cannot parse .*flags.jsonl, line 3: 'n' is a boolean, and on line 1 a "
+                                          r"number: "):
+        load_split(str(tmp_path / "flags.jsonl"), None, "train")
+
+
 def test_reading_local_files_sends_no_download_count_to_the_hub(tmp_path, monkeypatch):
     """datasets' load_dataset sends a HEAD request to count a download of its json or parquet builder, for a local
     file too: once per file of a folder, on every rank and every run (3 s each where the network drops it). A
