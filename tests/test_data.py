@@ -1323,6 +1323,20 @@ def test_a_data_folder_joins_parquet_files_of_large_strings_and_lists_with_json_
     assert train["input_ids"] == [tokenize_example(CHAT, "chat", TOKENIZER, 64)["input_ids"]] * 2
 
 
+def test_a_data_folder_joins_files_whose_columns_come_in_another_order_and_names_a_split_of_empty_files(tmp_path):
+    (tmp_path / "parts").mkdir()
+    demo.write_jsonl(tmp_path / "parts" / "a.jsonl", ROWS[:1])
+    demo.write_jsonl(tmp_path / "parts" / "b.jsonl", [{"completion": "d", "prompt": "c"}])  # as another tool wrote it
+    assert list(load_split(str(tmp_path / "parts"), None, "train")) == [ROWS[0], {"prompt": "c", "completion": "d"}]
+    # Every part file empty: the first one is named, as a single empty file is.
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "part-0.jsonl").write_text("")
+    (tmp_path / "empty" / "part-1.jsonl.gz").write_bytes(gzip.compress(b""))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path / 'empty' / 'part-0.jsonl'))} is empty: it holds "
+                                          r"no examples$"):
+        load_split(str(tmp_path / "empty"), None, "train")
+
+
 def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
     (tmp_path / "d.csv").write_text('prompt,completion\n"what is 7? ","007"\nsay none,None\nsay na,NA\n')
     assert list(load_split(str(tmp_path / "d.csv"), None, "train")) == [
