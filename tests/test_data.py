@@ -1437,6 +1437,20 @@ def test_a_compressed_files_size_and_a_csv_files_widths_are_found_once_not_on_ev
         data_sources._csv_as_text(str(csv_path))
 
 
+def test_a_data_files_remembered_facts_are_its_own_not_those_of_a_file_of_the_same_size_and_time(tmp_path, monkeypatch):
+    # Shards unpacked from an archive share their modification time, and CSV files of a few rows often their size.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "good" / "a.csv").write_text("prompt,completion\na,b\n")
+    (tmp_path / "bad" / "a.csv").write_text("prompt,completio\na,b,\n")  # the same size, a field too many
+    stat = (tmp_path / "good" / "a.csv").stat()
+    os.utime(tmp_path / "bad" / "a.csv", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    data_sources._csv_as_text(str(tmp_path / "good" / "a.csv"))
+    with pytest.raises(ConfigError, match="line 2: 3 fields, the header has 2"):
+        data_sources._csv_as_text(str(tmp_path / "bad" / "a.csv"))
+
+
 def test_a_local_copy_of_a_hub_data_set_takes_its_config_name(tmp_path):
     write_multi_config_copy(tmp_path / "copy")
     train, _ = build_datasets(cfg(tmp_path / "copy", dataset_config_name="socratic"), TOKENIZER)
