@@ -1595,6 +1595,22 @@ def test_column_mapping_and_weighted_mixture(tmp_path, capsys):
     assert all(b_texts.count(f"<|bos|>b{i}x<|end|>") in (2, 3) for i in range(10))  # 2 copies + 5 sampled
 
 
+def test_mapping_weight_and_per_source_values_are_parsed_as_written():
+    for mapping in ("question=", "=prompt", "question=prompt=completion", "question"):
+        with pytest.raises(ConfigError) as error:
+            data_sources.parse_column_mapping(mapping)
+        assert str(error.value) == (f"dataset_column_mapping must look like 'question=prompt,answer=completion', "
+                                    f"got '{mapping}'")
+    assert data_sources.parse_column_mapping(" question = prompt,answer=completion") == {"question": "prompt",
+                                                                                        "answer": "completion"}
+    with pytest.raises(ConfigError, match=r"^dataset_weights must be positive numbers separated by commas, such as "
+                                          r"'1,0.5', got '1,nan'$"):
+        data_sources.parse_weights("1,nan")
+    # A mixture's per-source values as written after commas: "a.jsonl, b.jsonl" with "train[:4], train[:2]".
+    assert data_sources.per_source(" train[:4] , train[:2]", ["a", "b"], "dataset_split") == ["train[:4]", "train[:2]"]
+    assert data_sources.per_source(", main", ["a", "b"], "dataset_config_name") == [None, "main"]
+
+
 def test_a_mixture_holds_out_eval_fraction_of_each_data_set_before_its_weight(tmp_path):
     """README, Data: eval_fraction holds out its share of each data set; the weight then applies to the rest, not to
     the eval split, which holds no example of the training split."""
