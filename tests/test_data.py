@@ -1337,6 +1337,12 @@ def test_a_data_folder_joins_files_whose_columns_come_in_another_order_and_names
         load_split(str(tmp_path / "empty"), None, "train")
 
 
+def test_a_json_lines_file_saved_with_a_byte_order_mark_holds_its_rows(tmp_path):
+    # Windows tools write UTF-8 with a byte order mark: the mark alone is an empty file, the mark and a row are not.
+    (tmp_path / "bom.jsonl").write_bytes(codecs.BOM_UTF8 + json.dumps(ROWS[0]).encode() + b"\n")
+    assert list(load_split(str(tmp_path / "bom.jsonl"), None, "train")) == [ROWS[0]]
+
+
 def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
     (tmp_path / "d.csv").write_text('prompt,completion\n"what is 7? ","007"\nsay none,None\nsay na,NA\n')
     assert list(load_split(str(tmp_path / "d.csv"), None, "train")) == [
