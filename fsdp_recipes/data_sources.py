@@ -710,8 +710,9 @@ def check_held_out(name: str, config_name: Optional[str], split: str, eval_split
                   for a_split, a_start, a_end in spans(split) for b_split, b_start, b_end in spans(eval_split)
                   if a_split == b_split)
     if overlap:
-        raise ConfigError(f"{name}: eval_split '{eval_split}' and dataset_split '{split}' share {overlap} rows, which "
-                          f"the evaluation would report as held out: {advice}")
+        rows = f"{overlap} row{'s' if overlap != 1 else ''}"
+        raise ConfigError(f"{name}: eval_split '{eval_split}' and dataset_split '{split}' share {rows}, which the "
+                          f"evaluation would report as held out: {advice}")
 
 
 def load_sources(names: list[str], config_names: list[Optional[str]], splits: list[str],

@@ -1558,7 +1558,7 @@ def test_an_eval_split_that_shares_a_single_row_or_names_all_is_refused(tmp_path
     demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:30]),
                           "test": datasets.Dataset.from_list(ROWS[30:])}).save_to_disk(tmp_path / "dict")
-    for path, split, eval_split, shared in [("d.jsonl", "train[:21]", "train[20:]", "1 rows"),
+    for path, split, eval_split, shared in [("d.jsonl", "train[:21]", "train[20:]", "1 row"),
                                             ("d.jsonl", "train[50%:]+train[:60%]", "train[:10%]", "4 rows"),
                                             ("dict", "train", "test + train[25:]", "5 rows"),
                                             ("dict", "all", "test", "rows ('all' is every split)")]:
