@@ -1516,6 +1516,13 @@ def test_eval_fraction_holds_out_the_share_written():
         assert (len(train), len(eval_set)) == (100 - held_out, held_out)
 
 
+def test_an_eval_fraction_that_holds_out_no_example_is_refused():
+    rows = datasets.Dataset.from_dict({"x": list(range(40))})
+    with pytest.raises(ConfigError) as error:
+        carve_eval(rows, 0.02, 0, "d.jsonl")  # 0.8 of an example, rounded down
+    assert str(error.value) == "eval_fraction=0.02 of the 40 examples of d.jsonl leaves an empty train or eval split"
+
+
 def test_split_slices_select_rows_of_files_and_saved_folders(tmp_path):
     demo.write_jsonl(tmp_path / "d.jsonl", ROWS)
     datasets.Dataset.from_list(ROWS).save_to_disk(tmp_path / "single")
