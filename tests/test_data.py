@@ -1993,6 +1993,17 @@ def test_a_tokenizer_without_character_offsets_is_refused():
         build_datasets(cfg("unused"), ByT5Tokenizer())
 
 
+def test_an_unknown_split_of_a_hub_copy_and_a_file_that_is_no_parquet_get_one_clear_line(tmp_path):
+    write_multi_config_copy(tmp_path / "copy")
+    with pytest.raises(ConfigError) as error:
+        load_split(str(tmp_path / "copy"), "main", "validation")
+    assert str(error.value) == f"{tmp_path / 'copy'}: Unknown split \"validation\". Should be one of ['train']."
+    (tmp_path / "d.parquet").write_bytes(b"prompt,completion\na,b\n")  # a CSV file named .parquet
+    with pytest.raises(ConfigError, match=rf"^cannot parse {re.escape(str(tmp_path / 'd.parquet'))}, Parquet magic "
+                                          r"bytes not found in footer"):
+        load_split(str(tmp_path / "d.parquet"), None, "train")
+
+
 def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
     tokenizer = demo.build_tokenizer()
     tokenizer.chat_template = GEMMA2_TEMPLATE
