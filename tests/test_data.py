@@ -1660,6 +1660,13 @@ def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(t
     assert sorted(subset) != sorted(kept(seed=2)) and sorted(subset) != list(range(8))  # drawn, by the seed
 
 
+def test_a_weight_keeps_its_last_sampled_example():
+    rows = datasets.Dataset.from_dict({"x": list(range(20))})
+    for weight, copies in [(0.05, 0), (1.05, 1), (2.05, 2)]:  # whole copies, and one example drawn
+        sampled = data_sources.weighted_sample(rows, weight, 0)["x"]
+        assert sorted(sampled.count(x) for x in range(20)) == [copies] * 19 + [copies + 1]
+
+
 def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path, capsys):
     # 14 letters with <|bos|> and <|end|>: max_seq_length tokens exactly, which is not longer.
     demo.write_jsonl(tmp_path / "d.jsonl", [{"text": "a" * n} for n in (3, 10, 14, 30, 40)])
