@@ -2011,6 +2011,16 @@ def test_an_unknown_split_of_a_hub_copy_and_a_file_that_is_no_parquet_get_one_cl
         load_split(str(tmp_path / "d.parquet"), None, "train")
 
 
+def test_a_missing_data_file_is_named_missing_not_looked_for_on_the_hub(tmp_path, monkeypatch):
+    # 'data/train.jsonl' has the form of a Hub id (namespace/name): its extension says it is a file.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.jsonl", "data/train.jsonl"):
+        with pytest.raises(ConfigError) as error:
+            load_split(name, None, "train")
+        assert str(error.value) == f"dataset_name {name}: no such file or folder in {tmp_path}"
+
+
 def test_a_chat_template_that_refuses_a_row_names_the_row(tmp_path):
     tokenizer = demo.build_tokenizer()
     tokenizer.chat_template = GEMMA2_TEMPLATE
