@@ -1647,6 +1647,17 @@ def test_column_mapping_may_swap_columns_and_renames_the_held_out_split_too(tmp_
     assert (list(train["labels"]), list(eval_set["labels"])) == (ids(ROWS[:30]), ids(ROWS[30:]))
 
 
+def test_a_mixture_maps_each_data_sets_own_columns(tmp_path):
+    # One mapping for data sets whose columns are named otherwise: each renames the columns it has.
+    demo.write_jsonl(tmp_path / "a.jsonl", [{"q": "a0", "a": "x"}])
+    demo.write_jsonl(tmp_path / "b.jsonl", [{"question": "b0", "answer": "y"}])
+    names = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    mapping = data_sources.parse_column_mapping("q=prompt,a=completion,question=prompt,answer=completion")
+    sources = data_sources.load_sources(names, [None, None], ["train", "train"], [None, None], mapping)
+    assert [(list(train), held_out) for train, held_out in sources] == [
+        ([{"prompt": "a0", "completion": "x"}], None), ([{"prompt": "b0", "completion": "y"}], None)]
+
+
 def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(tmp_path):
     demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
 
