@@ -510,7 +510,7 @@ def _split_files(name: str) -> dict[str, list[str]]:
     # Only data files: a LICENSE beside train.jsonl and test.jsonl (a clone of a Hub data set's repository) is none.
     left_out = [file for file in _not_in_splits(name, files) if _file_type(file) in _FILE_BUILDERS]
     if left_out:
-        more = f" (and {len(left_out) - 1} more files)" if len(left_out) > 1 else ""
+        more = f" (and {len(left_out) - 1} more file{'s' if len(left_out) > 2 else ''})" if len(left_out) > 1 else ""
         raise ConfigError(f"{left_out[0]}{more}: in none of the splits {list(files)} of the data folder "
                           f"{name}, whose every file is read; datasets names a file's split by a folder name "
                           f"(train/, test/, validation/, ...), else by its file name (train*, test*, ...), and where "

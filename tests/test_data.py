@@ -1937,7 +1937,7 @@ def bad_input_cases(tmp_path):
                                          r"split by a folder name \(train/, test/, validation/, ...\), else by its "
                                          r"file name \(train\*, test\*, ...\), and where none is named every file is "
                                          r"train: rename it or move it into its split's folder, or move it out"),
-        (cfg(tmp_path / "split_folder"), r"^.*split_folder/test.jsonl \(and 1 more files\): in none of the splits "),
+        (cfg(tmp_path / "split_folder"), r"^.*split_folder/test.jsonl \(and 1 more file\): in none of the splits "),
         (cfg(tmp_path / "empty_folder"), r"empty_folder holds no data files \(json, jsonl, csv or parquet\)"),
         (cfg(tmp_path / "ok.jsonl", dataset_config_name="en"), r"dataset_config_name en is for a Hub data set "
                                                               r"\(or a local copy of one\); .*ok.jsonl is a file"),
