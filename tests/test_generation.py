@@ -62,6 +62,15 @@ def test_a_run_generates_with_its_attention_implementation(tmp_path):
     assert written == eager and len(written) == 2
 
 
+
+def test_a_run_without_generation_prompts_writes_no_samples(tiny, tmp_path):
+    # Nothing asked: no model reloaded after the run, and no empty samples.jsonl beside its metrics.
+    cfg = parse_config(["--model_name_or_path", str(tiny["model"]), "--dataset_name", "d", "--output_dir",
+                        str(tmp_path / "run")])
+    log_sample_generations(cfg, str(tiny["model"]), torch.device("cpu"), MetricsLogger(cfg, is_main=True))
+    assert list((tmp_path / "run").iterdir()) == []
+
+
 def test_samples_stop_at_the_stop_strings_of_the_folders_generation_config(tiny, tmp_path):
     """transformers needs the tokenizer for stop_strings: without it, generation fails after the whole run."""
     import shutil
@@ -155,6 +164,14 @@ def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_be
         gpt2.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     run([sys.executable, *args, "--generation_max_new_tokens", "5"])
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 2
+    # A prompt that fills the table leaves room for 1 answer token (predicted from its last position); one that
+    # passes it, for none: then shortening the prompt is the only advice.
+    for prompt, advice in [("x" * 23, ", or set generation_max_new_tokens 1 or less"), ("x" * 24, "")]:
+        cfg = parse_config(["--model_name_or_path", str(tmp_path / "gpt2"), "--dataset_name", "d",
+                            "--generation_prompts", prompt, "--generation_max_new_tokens", "2"])
+        with pytest.raises(ConfigError) as error:
+            check_generation_prompts(cfg, tokenizer, gpt2)
+        assert str(error.value).endswith(f"(24 positions): shorten the prompt{advice}")
 
 
 def test_a_prompt_past_computed_positions_is_answered_not_refused(tmp_path):
