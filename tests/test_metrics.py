@@ -91,8 +91,9 @@ def test_wandb_run_continues_across_a_resume_with_config_plan_and_versions(obser
 
     train, evals = split_metrics(observed["out"] / "metrics.jsonl")
     assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6] and [m["step"] for m in evals] == [2, 4, 6]
-    for line in train + evals:  # metrics.jsonl and W&B hold the same numbers
-        assert {k: v for k, v in line.items() if k != "step"}.items() <= history[line["step"]].items()
+    for step, row in history.items():  # W&B holds the numbers of metrics.jsonl at their step, and no others
+        logged = {k: v for m in train + evals if m["step"] == step for k, v in m.items() if k != "step"}
+        assert {k: v for k, v in row.items() if not k.startswith("samples/")} == logged
     # The packed sequences an epoch trains, in global batches of accumulation x batch x ranks.
     found = re.search(r"of (\d+) x (\d+) sequences on each of (\d+) ranks; an epoch trains (\d+) of its",
                       observed["first"].stdout)
@@ -554,6 +555,24 @@ def test_a_resumed_run_continues_the_checkpoints_wandb_run(tmp_path, monkeypatch
     assert fresh["id"] != "k3x9q2ab" and not fresh["resume"]
     assert fresh["name"] == resumed["name"] == "sft-1"  # --run_name, the name W&B shows
     assert (resumed["id"], resumed["project"], resumed["entity"], resumed["resume"]) == ("k3x9q2ab", "p", "team", True)
+
+
+def test_samples_of_a_resume_that_only_finishes_are_logged_at_its_last_step(tmp_path, monkeypatch):
+    # Resumed at the last step (4) with its evaluation done, the run logs nothing before its samples: W&B's own next
+    # step would be 0, behind the history of the run it continues, and W&B drops such a row.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()  # wandb reads WANDB_MODE once per process, at its set-up
+    logger = MetricsLogger(parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "out",
+                                         "--report_to", "wandb"]), is_main=True)
+    logger.start_at(4)
+    logger.log_samples([{"prompt": "reverse: ab", "completion": "ba"}])
+    logger.close()
+    wandb.teardown()  # stops wandb's service, which writes the run file after finish() returns
+    [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    history = run_summary(run_file)["history"]
+    assert list(history) == [4] and history[4]["samples/nrows"] == 1
 
 
 def test_eval_batches_cover_the_split_once_with_the_same_count_on_every_rank():
