@@ -498,6 +498,7 @@ def test_metrics_lines_are_strict_json_and_a_nan_loss_has_a_nan_perplexity(tmp_p
                         parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert strict == {"step": 1, "loss": None, "grad_norm": None, "tokens": 7}
     assert math.isnan(perplexity(math.nan)) and perplexity(800.0) == math.inf and perplexity(2.0) == math.exp(2.0)
+    assert perplexity(708.0) == math.exp(708.0)  # 3e307: float64 holds it
 
 
 @pytest.mark.parametrize("mode", ["offline", "disabled"])
