@@ -594,6 +594,8 @@ def test_progress_bar_only_on_rank0_in_a_terminal(observed):
         assert use_progress_bars(True, terminal, terminal) and not use_progress_bars(False, terminal, terminal)
         # stdout sent to a file (`| tee train.log`): the file gets the step lines, so no bar stands for them.
         assert not use_progress_bars(True, terminal, io.StringIO())
+        # stderr sent to a file (`2> train.err`): tqdm would draw the bars into it (and it has no terminal size).
+        assert not use_progress_bars(True, io.StringIO(), terminal)
     os.close(leader)
     assert not use_progress_bars(True, io.StringIO(), io.StringIO())
     progress = TrainingProgress(total_steps=10, start_step=4, show_bar=True)
