@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from tokenizers import processors
 from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM,
                           XGLMConfig, XGLMForCausalLM)
 
@@ -69,6 +70,25 @@ def test_a_run_without_generation_prompts_writes_no_samples(tiny, tmp_path):
                         str(tmp_path / "run")])
     log_sample_generations(cfg, str(tiny["model"]), torch.device("cpu"), MetricsLogger(cfg, is_main=True))
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_a_plain_text_prompt_starts_with_one_bos_where_the_tokenizer_adds_one(tiny, tmp_path):
+    # Llama's tokenizers put BOS in front of every encoding: the prompt, BOS and text, must not get a second one.
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = shutil.copytree(tiny["model"], tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
+    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tokenizer("reverse: abc", return_tensors="pt")["input_ids"]
+    assert ids[0, :2].tolist() == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("r")]
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)[0]
+    [sample] = generate_samples(str(folder), ["reverse: abc"], 6, False, torch.device("cpu"), "sdpa")
+    assert sample["completion"] == tokenizer.decode(greedy[ids.shape[1]:], skip_special_tokens=True)
 
 
 def test_samples_stop_at_the_stop_strings_of_the_folders_generation_config(tiny, tmp_path):
@@ -165,7 +185,10 @@ def test_a_prompt_whose_answer_would_pass_a_learned_position_table_is_refused_be
     run([sys.executable, *args, "--generation_max_new_tokens", "5"])
     assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 2
     # A prompt that fills the table leaves room for 1 answer token (predicted from its last position); one that
-    # passes it, for none: then shortening the prompt is the only advice.
+    # passes it, for none: then shortening the prompt is the only advice. A tokenizer that puts BOS in front of every
+    # encoding (Llama's post-processor) has it counted once.
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
     for prompt, advice in [("x" * 23, ", or set generation_max_new_tokens 1 or less"), ("x" * 24, "")]:
         cfg = parse_config(["--model_name_or_path", str(tmp_path / "gpt2"), "--dataset_name", "d",
                             "--generation_prompts", prompt, "--generation_max_new_tokens", "2"])
