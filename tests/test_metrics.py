@@ -464,6 +464,8 @@ def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}\n'
                                             '{"step": 3, "loss": 2.0}\n{"step": 4, "lo')
     (tmp_path / "samples.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    # An earlier resume's rewrite, killed before its rename: this one starts the file afresh.
+    (tmp_path / "metrics.jsonl.tmp").write_text('{"step": 1, "loss": 2.5}\n')
     logger.start_at(3)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
                                                         {"step": 3, "loss": 2.0}]
