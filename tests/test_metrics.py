@@ -33,7 +33,7 @@ from fsdp_recipes.distributed import DistEnv
 from fsdp_recipes.evaluation import eval_batches, perplexity
 from fsdp_recipes.flops import training_flops_per_token
 from fsdp_recipes.export import WriteError
-from fsdp_recipes.metrics import MetricsLogger
+from fsdp_recipes.metrics import MetricsLogger, check_wandb_credentials
 from fsdp_recipes.model import load_model, load_tokenizer
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.progress import TrainingProgress, use_progress_bars
@@ -351,13 +351,19 @@ def test_a_wandb_project_name_wandb_refuses_stops_the_run_before_the_model_is_lo
     assert "no_such_model" not in proc.stderr
 
 
-def test_a_refused_wandb_project_from_the_environment_is_named_with_advice_that_fits(tmp_path):
+def test_a_refused_wandb_project_from_the_environment_is_named_with_advice_that_fits(tmp_path, monkeypatch):
     # Not a team path: the advice about WANDB_ENTITY would mislead; and the name came from WANDB_PROJECT, not a flag.
     proc = run([sys.executable, RECIPE, "--model_name_or_path", tmp_path / "no_such_model", "--dataset_name", "x",
                 "--report_to", "wandb"], expect_rc=2, WANDB_DIR=str(tmp_path), WANDB_PROJECT="sft:v2")
     assert proc.stderr.startswith("error: wandb_project 'sft:v2' (from WANDB_PROJECT) is not a name W&B accepts "
                                   "(Invalid project name 'sft:v2'")
     assert proc.stderr.endswith("found ':'): choose another name\n")
+    # --wandb_project replaces WANDB_PROJECT: the name refused is the flag's, not the environment's.
+    monkeypatch.setenv("WANDB_PROJECT", "sft:v2")
+    cfg = parse_config(["--model_name_or_path", "m", "--dataset_name", "d", "--report_to", "wandb",
+                        "--wandb_project", "sft:v3"])
+    with pytest.raises(ConfigError, match=r"^wandb_project 'sft:v3' is not a name W&B accepts \(Invalid project"):
+        check_wandb_credentials(cfg)
 
 
 @pytest.mark.parametrize("variable, value, reason", [
