@@ -184,7 +184,8 @@ class MetricsLogger:
         kept = []
         if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if parsed_step(line) <= step]
+                # A kill just before a line's newline leaves it whole but open: the next line would join it.
+                kept = [line.rstrip("\n") + "\n" for line in f if parsed_step(line) <= step]
         # Written aside, then renamed: a process killed while writing leaves the whole history, not a part of it.
         with stop_on_write_error(self.path):
             with open(self.path + ".tmp", "w") as f:

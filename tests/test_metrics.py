@@ -476,6 +476,12 @@ def test_a_metrics_line_cut_off_by_a_crash_is_dropped_on_resume(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
                                                         {"step": 3, "loss": 2.0}]
     assert logger.last_step == 3  # the W&B step of samples a resume that only finishes the run logs
+    # A kill between a kept line and its newline: the next line starts a line of its own.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}')
+    logger.start_at(2)
+    logger.log({"step": 3, "loss": 2.0})
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25},
+                                                        {"step": 3, "loss": 2.0}]
     # The earlier run's samples describe a final/ this run replaces: gone, even if this run generates none.
     assert not (tmp_path / "samples.jsonl").exists()
 
