@@ -442,6 +442,11 @@ def test_a_multimodal_model_is_estimated_by_its_language_model(tmp_path, capsys)
                         if any(p is q for q in root) and name.startswith("model.language_model."))
         assert text_root < sum(p.numel() for p in root)
         assert one_gpu.grad_buffers == 2 * text_root + (2 + 4) * max(text_layers)
+        # fp32 master weights of the whole model, towers included (1,098,856 parameters); gradients and AdamW's two
+        # states of the language model's 161,896 alone, which the text forward uses.
+        assert (one_gpu.params, one_gpu.grads, one_gpu.optimizer) == (4 * 1_098_856, 4 * 161_896, 8 * 161_896)
+        assert sum(p.numel() for name, p in model.named_parameters()
+                   if name.startswith("model.language_model.")) == 161_896
     main(["--model", str(write_config(tmp_path / "gemma4.json", GEMMA4_MULTIMODAL.to_dict())), "--num_gpus", "2",
           "--seq_len", "64", "--batch", "1", "--activation_checkpointing"])
     total = sum(p.numel() for p in model.parameters())
