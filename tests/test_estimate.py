@@ -735,6 +735,11 @@ def test_alibi_falcon_with_flash_attention_is_refused_as_the_run_refuses_it(tmp_
         "falcon models need attn_implementation eager or sdpa (see fsdp_recipes/families.py: attention ALiBi), got "
         "flash_attention_2")
     assert config_error(main, ["--model", str(tmp_path / "falcon"), "--num_gpus", "2", "--seq_len", "64"]) is None
+    # Falcon without ALiBi (Falcon-7B's rotary positions) takes flash attention, in the run as in the estimate.
+    falcon.alibi = False
+    falcon.save_pretrained(tmp_path / "rotary_falcon")
+    run[3] = str(tmp_path / "rotary_falcon")
+    assert config_error(check_model_type, parse_config(run), None, "recipes/sft.py") is None
 
 def test_pure_bf16_is_refused_for_a_weight_kept_in_fp32_as_the_run_refuses_it(tmp_path):
     config = AutoConfig.for_model("deepseek_v3", **DEEPSEEK_V3)
