@@ -791,6 +791,10 @@ def test_router_loss_coefficient_without_router_logits_is_refused(tmp_path):
     assert load_model(parse_config([*args, "--output_router_logits", "true"])).config.router_aux_loss_coef == 0.01
     # Turned off on purpose (e.g. over qwen3_moe_sft.yaml, which sets both): no router loss, no error.
     assert not load_model(parse_config([*args, "--output_router_logits", "false"])).config.output_router_logits
+    # A config.json that turns the router logits on: the coefficient alone weighs them, no error.
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    assert model_config_overrides(parse_config(args))[0] == {"router_aux_loss_coef": 0.01}
 
 
 def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
