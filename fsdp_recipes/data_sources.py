@@ -300,7 +300,7 @@ def _load_hub_data_set(name: str, config_name: Optional[str], split: str) -> dat
 def _parse_split(name: str, split: str) -> datasets.ReadInstruction:
     try:
         return datasets.ReadInstruction.from_spec(split)
-    except (ValueError, AssertionError) as error:
+    except ValueError as error:
         raise ConfigError(f"{name}: cannot read the split '{split}' ({error}); give a split name, a slice such as "
                           "'train[:1000]' or 'train[90%:]', or several joined by '+'") from None
 
