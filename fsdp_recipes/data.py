@@ -248,17 +248,19 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[datasets.Dataset, Optio
             if summary:  # which files of a folder were read, and which were taken for no data
                 print_rank0(f"data: {name}: {summary}")
         train_parts, eval_parts = [], []
-        for name, weight, split, eval_split, (raw_train, raw_eval) in zip(names, weights, splits, eval_splits,
-                                                                           sources):
+        for index, (name, weight, split, eval_split, (raw_train, raw_eval)) in enumerate(
+                zip(names, weights, splits, eval_splits, sources)):
+            # A seed per data set: two of one size would otherwise hold out and keep the rows at the same positions.
+            seed = cfg.seed + index
             # Tokenized before the eval carve so that an error names the row of the split.
             train, fmt = _tokenize(raw_train, tokenizer, cfg, name, split)
             formats.add(fmt)
             if raw_eval is not None:
                 eval_parts.append(_tokenize(raw_eval, tokenizer, cfg, name, eval_split, held_out=True)[0])
             elif cfg.eval_fraction > 0:
-                train, held_out = carve_eval(train, cfg.eval_fraction, cfg.seed, name)
+                train, held_out = carve_eval(train, cfg.eval_fraction, seed, name)
                 eval_parts.append(held_out)
-            train_parts.append(weighted_sample(train, weight, cfg.seed))
+            train_parts.append(weighted_sample(train, weight, seed))
         if len(train_parts) > 1:  # what each data set of the mixture gives, after its weight
             total = sum(map(len, train_parts))
             print_rank0("data: mixture of " + ", ".join(f"{name} x {weight:g}: {len(part)} ({len(part) / total:.1%})"

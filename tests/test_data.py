@@ -1671,6 +1671,21 @@ def test_a_weight_below_1_takes_a_subset_of_the_size_written_drawn_by_the_seed(t
     assert sorted(subset) != sorted(kept(seed=2)) and sorted(subset) != list(range(8))  # drawn, by the seed
 
 
+def test_each_data_set_of_a_mixture_draws_its_own_subset_and_held_out_examples(tmp_path):
+    # Two halves of one file: drawn with one seed, they would keep and hold out the rows at the same positions.
+    demo.write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(20)])
+    halves = dict(dataset_name=f"{tmp_path}/a.jsonl,{tmp_path}/a.jsonl", dataset_split="train[:10],train[10:]")
+
+    def positions(split):  # the positions in its half of each example of the split, per half
+        numbers = [int(TOKENIZER.decode(ids[2:-1])) for ids in split["input_ids"]]  # <|bos|>a<digits><|end|>
+        return sorted(x for x in numbers if x < 10), sorted(x - 10 for x in numbers if x >= 10)
+
+    first, second = positions(build_datasets(cfg(**halves, dataset_weights="0.5,0.5"), TOKENIZER)[0])
+    assert len(first) == len(second) == 5 and first != second
+    first, second = positions(build_datasets(cfg(**halves, eval_fraction=0.3), TOKENIZER)[1])
+    assert len(first) == len(second) == 3 and first != second
+
+
 def test_a_weight_keeps_its_last_sampled_example():
     rows = datasets.Dataset.from_dict({"x": list(range(20))})
     for weight, copies in [(0.05, 0), (1.05, 1), (2.05, 2)]:  # whole copies, and one example drawn
