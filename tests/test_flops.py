@@ -8,8 +8,8 @@ from transformers import (AutoModelForCausalLM, BloomConfig, DbrxConfig, Deepsee
                           Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig, GPT2Config,
                           GPTNeoConfig, GptOssConfig, JetMoeConfig, Lfm2Config, Llama4TextConfig, LlamaConfig,
                           LlamaForCausalLM, Mamba2Config, MambaConfig, MistralConfig, MixtralConfig, MixtralForCausalLM,
-                          NemotronHConfig, Qwen2Config, Qwen2MoeConfig, Qwen3NextConfig, RwkvConfig, RwkvForCausalLM,
-                          xLSTMConfig)
+                          NemotronHConfig, PretrainedConfig, Qwen2Config, Qwen2MoeConfig, Qwen3NextConfig, RwkvConfig,
+                          RwkvForCausalLM, xLSTMConfig)
 
 from conftest import REPO, read_metrics, torchrun
 from fsdp_recipes import demo
@@ -72,6 +72,9 @@ def test_sliding_window_layers_attend_to_the_window_only():
     assert attended_lengths(MistralConfig(num_hidden_layers=2, sliding_window=4096), 8192) == [4096, 4096]
     assert attended_lengths(MistralConfig(num_hidden_layers=2, sliding_window=None), 8192) == [8192, 8192]
     assert attended_lengths(Qwen2Config(num_hidden_layers=2, sliding_window=4096), 8192) == [8192, 8192]
+    # A config of a model's own code (trust_remote_code) keeps config.json's window without layer_types: off too.
+    remote = PretrainedConfig(num_hidden_layers=2, num_attention_heads=4, sliding_window=4096, use_sliding_window=False)
+    assert attended_lengths(remote, 8192) == [8192, 8192]
     assert attended_lengths(LlamaConfig(num_hidden_layers=2), 8192) == [8192, 8192]
     # GPT-Neo alternates global and local layers (a window of 256 in the hub's models); the local ones counted the row.
     gpt_neo = GPTNeoConfig(num_layers=4, attention_types=[[["global", "local"], 2]], window_size=256)
@@ -154,14 +157,26 @@ def test_gemma4_counts_each_layers_head_dim_and_no_per_layer_lookup_table():
     router = 2 * 16 * 64
     experts = 2 * 16 * (2 * 32 * 64 + 64 * 32)  # gate_up_proj, down_proj
     assert active_matmul_params(moe) == expected + router + experts * 2 / 16
+    # The hub's Gemma 4 mixture of experts is multimodal too: its experts are routed as in the language model alone.
+    moe_dims = dict(dims, enable_moe_block=True, num_experts=16, top_k_experts=2, moe_intermediate_size=32)
+    multimodal_moe = build_meta_model(Gemma4Config(text_config=moe_dims, vision_config=None, audio_config=None))
+    assert active_matmul_params(multimodal_moe) == expected + router + experts * 2 / 16
 
 
 def test_linear_attention_layers_add_no_attention_term():
-    # Qwen3-Next: three gated-delta-net (linear_attention) layers, then one of softmax attention.
+    # Qwen3-Next: three gated-delta-net (linear_attention) layers, then one of softmax attention; MoE in each layer.
     config = Qwen3NextConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                             linear_value_head_dim=8)
     model = build_meta_model(config)
+    # A delta-net layer's convolution (64 channels x 4 taps, 3-D as the experts' tensors are) runs for every token,
+    # like its projections: query, key (2 heads x 8), value, z (4 heads x 8); b and a (4 heads each); out.
+    delta_net = 64 * 4 + (2 * 16 + 2 * 32) * 64 + 2 * 4 * 64 + 64 * 32
+    softmax = (2 * 4 * 16 + 2 * 2 * 16) * 64 + 64 * 64  # q_proj (queries and their gates), k, v; o_proj
+    moe = 8 * 64 + 8 * (2 * 32 * 64 + 64 * 32) * 2 / 8 + 3 * 32 * 64 + 64  # router, experts, shared expert, its gate
+    assert active_matmul_params(model) == 1000 * 64 + 3 * delta_net + softmax + 4 * moe
     assert attended_lengths(config, 512) == [0, 0, 0, 512]
     assert training_flops_per_token(model, 512) == 6 * active_matmul_params(model) + 12 * 4 * 16 * 512
     # Nemotron-H: a Mamba layer, an attention layer, an MLP-only and a MoE-only layer (pattern "M*-E"); LFM2's
