@@ -950,11 +950,25 @@ def test_new_recipe_refuses_a_model_type_with_a_recipe_or_its_files(tmp_path):
         new_recipe("llama", str(tmp_path / "mine"))
     assert str(error.value) == (f"error: {tmp_path}/mine/train.py trains llama models: run it (or a copy of it), "
                                 "with its YAML config")
+    # A recipe that lists config.json's hyphenated spelling, asked for with an underscore (a file being edited beside
+    # it is no recipe to point to, and no reason to stop).
+    (tmp_path / "mine" / "modernbert.py").write_text('MODEL_TYPES = {"modernbert-decoder": None}\n')
+    (tmp_path / "mine" / "editing.py").write_text("def broken(:\n")
+    with pytest.raises(SystemExit) as error:
+        new_recipe("modernbert_decoder", str(tmp_path / "mine"))
+    assert str(error.value) == (f"error: config.json spells this model type modernbert-decoder, not modernbert_decoder: "
+                                f"{tmp_path}/mine/modernbert.py trains modernbert-decoder models: run it (or a copy of "
+                                f"it), with its YAML config")
+    # A folder named configs is the recipes' YAML folder only beside a recipe, not beside a helper module alone.
+    (tmp_path / "work" / "configs").mkdir(parents=True)
+    (tmp_path / "work" / "helpers.py").write_text("STOP_WORDS = ()\n")
+    assert new_recipe("olmo2", str(tmp_path / "work" / "configs"))[0] == f"{tmp_path}/work/configs/olmo2_sft.py"
 
 
-def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path, monkeypatch):
+def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_type_and_sync(tmp_path, monkeypatch,
+                                                                                                capsys):
     """A MODEL that is a path ('../olmo2') would write outside the recipes folder; a model type beside --sync would be
-    left undone without a word. Each is refused, and nothing is written."""
+    left undone without a word; neither has nothing to do. Each is refused, and nothing is written."""
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     for model_type in ("../olmo2", "olmo 2", ""):
@@ -964,6 +978,10 @@ def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_t
     proc = run([sys.executable, "-m", "fsdp_recipes.new_recipe", "olmo2", "--sync", "--recipes_dir", recipes],
                expect_rc=2)
     assert proc.stderr.endswith("error: give a model_type, or --sync\n")
+    monkeypatch.setattr(sys, "argv", ["new_recipe", "--recipes_dir", str(recipes)])  # neither: not a traceback
+    with pytest.raises(SystemExit) as error:
+        new_recipe_module.main()
+    assert error.value.code == 2 and capsys.readouterr().err.endswith("error: give a model_type, or --sync\n")
     # A clone without llama_sft.py, the recipe a new one copies: one line, not a FileNotFoundError's traceback.
     monkeypatch.setattr(new_recipe_module, "REFERENCE", str(tmp_path / "llama_sft.py"))
     with pytest.raises(SystemExit) as error:
@@ -972,6 +990,23 @@ def test_new_recipe_refuses_a_model_type_that_is_no_file_name_and_both_a_model_t
                                 f"llama_sft.py: restore it in the clone, or reinstall the package from a clone that "
                                 f"has it")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["recipes"]
+
+
+def test_a_new_recipe_names_its_files_from_the_repository_root_and_takes_the_generic_defaults(tmp_path, monkeypatch):
+    """Its docstring's command runs from the clone's root; its YAML config holds sft.yaml's defaults, its own
+    output_dir, and no hub id yet. The generic recipe is named from the clone's root there, absolutely elsewhere."""
+    monkeypatch.setattr(new_recipe_module, "REPO", str(tmp_path))  # a recipes folder inside the clone
+    recipe, config = new_recipe("olmo2", str(tmp_path / "recipes"))
+    assert ("\n    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/olmo2_sft.py \\\n        "
+            "--config recipes/configs/olmo2_sft.yaml --model_name_or_path <hub id> --dataset_name <data>\n\n"
+            in split_recipe(Path(recipe).read_text())[0])
+    generic = yaml.safe_load((REPO / "recipes" / "configs" / "sft.yaml").read_text())
+    assert yaml.safe_load(Path(config).read_text()) == {**generic, "model_name_or_path": None,
+                                                        "output_dir": "outputs/olmo2_sft"}
+    monkeypatch.chdir(tmp_path)
+    assert new_recipe_module.generic_recipe() == f"{REPO}/recipes/sft.py"
+    monkeypatch.chdir(REPO)
+    assert new_recipe_module.generic_recipe() == "recipes/sft.py"
 
 
 def test_the_built_package_holds_the_recipes_and_new_recipe_runs_from_it(tmp_path):
