@@ -12,8 +12,7 @@ PEAK_BF16_FLOPS = [
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM
     ("H200 NVL", 835e12),
-    ("H200", 989e12),  # SXM
-    ("GH200", 989e12),
+    ("H200", 989e12),  # SXM, and GH200 (Grace Hopper: "NVIDIA GH200 480GB")
     ("A100", 312e12),
     ("L40S", 362e12),
 ]
