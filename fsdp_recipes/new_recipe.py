@@ -7,7 +7,7 @@ MODEL is the model_type of the family's config.json; a hyphen in it (modernbert-
 the file names. The new recipe takes every shared line from llama_sft.py, so it passes tests/test_recipes.py's check
 that the shared part of all recipes is identical. After a change to the shared part of llama_sft.py, --sync copies it
 into every other recipe (each keeps its docstring and own block; edits to its shared part are replaced, and printed
-as a diff); a .py file without a recipe's markers (a helper module) is skipped. Both read llama_sft.py from the
+as a diff); a .py file without a recipe's marker lines (a helper module) is skipped. Both read llama_sft.py from the
 clone's recipes/, or from the copy an installed package holds (fsdp_recipes/recipes/, see pyproject.toml).
 Standard library only: it runs before any environment is installed.
 """
@@ -82,8 +82,9 @@ def shared_part() -> tuple[str, str]:
 
 
 def is_recipe(text: str) -> bool:
-    """Whether a .py file has a recipe's layout: the markers around its own block."""
-    return OWN_START in text and OWN_END in text
+    """Whether a .py file is a recipe: a line starts with a marker around its own block. Either one: a recipe that
+    lost the other is refused by split_recipe, not skipped as a helper module with a stale shared part."""
+    return any(re.search(f"^{re.escape(marker)}", text, re.MULTILINE) for marker in (OWN_START, OWN_END))
 
 
 def split_recipe(text: str, path: str = "the recipe") -> tuple[str, str, str, str]:
@@ -286,7 +287,7 @@ def main() -> None:
     if args.sync:
         diffs, skipped = sync_recipes(args.recipes_dir)
         for path in skipped:
-            print(f"skipped {path}: not a recipe (no \"{OWN_START}\" and \"{OWN_END}\" markers)")
+            print(f"skipped {path}: not a recipe (no line starts with \"{OWN_START}\" or \"{OWN_END}\")")
         for diff in diffs.values():  # what the sync replaced, a user's edits to a shared part included
             print(diff, end="")
         if not diffs:

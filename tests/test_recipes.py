@@ -808,7 +808,7 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
     lines = gemma.splitlines()
     at = lines.index("    plan = resolve_plan(cfg)")
     assert proc.stdout.splitlines() == [
-        f'skipped {tmp_path}/helpers.py: not a recipe (no "{OWN_START}" and "{OWN_END}" markers)',
+        f'skipped {tmp_path}/helpers.py: not a recipe (no line starts with "{OWN_START}" or "{OWN_END}")',
         f"--- {tmp_path}/gemma_sft.py", f"+++ {tmp_path}/gemma_sft.py (synced)", f"@@ -{at - 2},6 +{at - 2},7 @@",
         *(f" {line}" for line in lines[at - 3:at]), f"+{lines[at]}", *(f" {line}" for line in lines[at + 1:at + 4]),
         f"wrote {tmp_path}/gemma_sft.py"]
@@ -821,6 +821,13 @@ def test_sync_copies_the_shared_part_into_every_recipe(tmp_path):
                                          "start with its docstring, as every recipe does: add it; no recipe was "
                                          "rewritten"):
         sync_recipes(str(tmp_path))
+    assert (tmp_path / "gemma_sft.py").read_text() == outdated
+    # A recipe that lost one marker line is refused as such, not skipped as a helper with its stale shared part.
+    (tmp_path / "phi3_sft.py").write_text(outdated.replace(OWN_END, "# ---- Shared part"))
+    with pytest.raises(SystemExit) as error:
+        sync_recipes(str(tmp_path))
+    assert str(error.value) == (f'error: {tmp_path}/phi3_sft.py has 0 lines that start with "{OWN_END}" after its '
+                                f'docstring, where a recipe has one (see llama_sft.py): add it; no recipe was rewritten')
     assert (tmp_path / "gemma_sft.py").read_text() == outdated
 
 
