@@ -324,14 +324,17 @@ def test_every_rank_reading_the_weights_initialises_those_the_checkpoint_lacks(t
 def test_rank0_loading_gives_the_model_from_pretrained_gives(tiny, fsdp_version, one_process_group):
     """Built on the meta device and filled from rank 0's weights: the lm_head stays tied to the embedding (it would
     train apart), and the buffers that to_empty emptied (the rotary frequencies) are the model's, so the logits are
-    from_pretrained's. One process: the 2-process runs above show it in the losses, after minutes."""
+    from_pretrained's; the KV cache is off, as load_model turns it off for training. One process: the 2-process runs
+    above show it in the losses, after minutes."""
     cfg = parse_config(["--model_name_or_path", str(tiny["tied_model"]), "--dataset_name", "x", "--mixed_precision",
                         "no", "--fsdp_version", str(fsdp_version), "--fsdp_cpu_ram_efficient_loading", "true"])
     model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     inputs = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
-        assert torch.equal(model(inputs).logits, load_model(cfg)(inputs).logits)
+        output = model(inputs)
+        assert torch.equal(output.logits, load_model(cfg)(inputs).logits)
+    assert list(output.keys()) == ["logits"]  # no cache (transformers 5.25 names it cache, 5.17 past_key_values)
 
 
 def test_fsdp1_casts_each_layers_inputs_to_bf16_as_fsdp2_does(tmp_path, one_process_group):
@@ -421,4 +424,6 @@ def test_weights_the_checkpoint_lacks_are_refused_but_a_new_output_layer(tiny, t
     model = load(headless)
     assert capsys.readouterr().out.count(f"warning: {headless} holds no lm_head.weight: the output layer starts from "
                                          f"random values\n") == 1
+    load(tiny["model"])
+    assert "warning" not in capsys.readouterr().out  # a checkpoint that holds its output layer
     assert model.get_output_embeddings().weight.shape == model.get_input_embeddings().weight.shape
