@@ -724,6 +724,9 @@ def test_fsdp1_rank0_loading_keeps_the_checkpoints_buffers(data, tmp_path):
     assert "wrapped: 2 x Gemma4TextDecoderLayer, then the root" in proc.stdout
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert [layer.layer_scalar.item() for layer in exported.model.layers] == [0.5, 1.5]  # not the initial 1.0
+    for rank in (0, 1):  # rank 1 trained with them too (the export reads rank 0's alone)
+        buffers = json.loads((tmp_path / f"buffers_rank{rank}.json").read_text())
+        assert [buffers[f"model.layers.{i}.layer_scalar"] for i in (0, 1)] == [0.5, 1.5]
     # The run's last forward was the final evaluation, whose views of the flat parameters FSDP1 keeps: the training
     # model must still be freed before sample generation.
     assert "eval/loss" in read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]

@@ -4,7 +4,8 @@
 
 The recipe runs unchanged; only its save_hf_model is wrapped to first write <out_dir>/sharded.pt (rank 0): every
 parameter gathered with DTensor.full_tensor() (independent of the exporter's state-dict gather), this rank's
-local shape of each parameter, and the sharded model's logits on fixed inputs (FSDP2 only). Its
+local shape of each parameter, and the sharded model's logits on fixed inputs (FSDP2 only); with FSDP1, each rank writes
+<out_dir>/buffers_rank<r>.json, its one-element buffers' values (the export reads rank 0's alone). Its
 log_sample_generations is wrapped to first write <out_dir>/at_generation.json (rank 0): how many FSDP2 modules and
 FSDP1 flat parameters are still alive then.
 """
@@ -21,6 +22,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._flat_param import FlatParameter
 from torch.distributed.tensor import DTensor
 
+from fsdp_recipes.sharding import state_dict_name
+
 recipe_path, out_dir = sys.argv[1], sys.argv[2]
 sys.argv = [recipe_path, *sys.argv[3:]]
 spec = importlib.util.spec_from_file_location("recipe", recipe_path)
@@ -31,7 +34,10 @@ generate = recipe.log_sample_generations
 
 
 def record_then_export(model, tokenizer, path, dtype, *args):
-    if not isinstance(next(model.parameters()), DTensor):  # FSDP1: only what generation finds alive is recorded
+    if not isinstance(next(model.parameters()), DTensor):  # FSDP1: each rank's scalar buffers (Gemma 4's layer_scalar)
+        scalars = {state_dict_name(name): b.item() for name, b in model.named_buffers() if b.numel() == 1}
+        with open(os.path.join(out_dir, f"buffers_rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(scalars, f)
         return export(model, tokenizer, path, dtype, *args)
     gathered = {name: param.full_tensor().clone() for name, param in model.named_parameters()}
     local_shapes = {name: tuple(param.to_local().shape) for name, param in model.named_parameters()}
