@@ -447,6 +447,22 @@ def test_a_config_error_after_wandb_started_finishes_the_run(tiny, tmp_path):
     assert exit_record.exit_code == 2
 
 
+def test_a_crash_after_wandb_started_finishes_the_run_with_exit_code_1(tmp_path):
+    """exit_process skips wandb's teardown: a failure that is no config error (out of memory, say) must still finish
+    the W&B run, with the process's exit code, not leave it running until W&B marks it crashed."""
+    script = ("import wandb\n"
+              "from fsdp_recipes.cli import run_main\n"
+              "def main():\n"
+              "    wandb.init(project='p')\n"
+              "    raise RuntimeError('out of memory')\n"
+              "run_main(main)\n")
+    proc = run([sys.executable, "-c", script], expect_rc=1, WANDB_DIR=str(tmp_path))
+    assert "RuntimeError: out of memory" in proc.stderr
+    [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    [exit_record] = [r.exit for r in read_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 1
+
+
 def test_a_resumed_runs_new_length_replaces_the_one_in_its_w_and_b_config(tmp_path, monkeypatch):
     """Online, a resumed W&B run's config comes back from the server with the first segment's schedule (offline it
     starts empty, so the resume test cannot show it): here run_config holds it, and a longer run replaces it, which
