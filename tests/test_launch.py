@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from conftest import REPO, read_metrics, run, subprocess_env
 from fsdp_recipes.config import ConfigError, parse_config
-from fsdp_recipes.distributed import check_started_by_a_launcher, init_distributed
+from fsdp_recipes.distributed import check_started_by_a_launcher, init_distributed, long_wait_group
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import build_mesh
 from test_accelerate_configs import process_group_of
@@ -468,6 +468,16 @@ def test_a_process_without_a_gpu_of_its_own_is_refused(monkeypatch):
         assert env.device == torch.device("cpu") and dist.get_backend() == "gloo"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_new_process_group_gets_a_long_wait_group_of_its_own(one_process_group):
+    """The long-wait group is made once per default group: a second run in the same process (a recipe's main called
+    again) must not wait on the group of the first, which the new process group does not know."""
+    first = long_wait_group()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert long_wait_group() is long_wait_group() is not first
+    assert dist.get_process_group_ranks(long_wait_group()) == [0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines whose GPUs cannot be seen")
