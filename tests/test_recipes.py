@@ -589,6 +589,15 @@ def test_a_model_folder_without_its_tokenizer_is_refused_with_what_to_do(tmp_pat
                                               rf"\(its \d+ tokens are all special\): the folder lacks its files .*; "
                                               rf"{save} to the base model's$"):
             load(tmp_path / model_type)
+    # tokenizer_config.json copied without the vocabulary: Qwen 2.5's tool-call tokens are added, not special.
+    AutoConfig.for_model("qwen2").save_pretrained(tmp_path / "qwen2_config")
+    token = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    (tmp_path / "qwen2_config" / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "added_tokens_decoder": {
+            "151643": {"content": "<|endoftext|>", "special": True, **token},
+            "151657": {"content": "<tool_call>", "special": False, **token}}}))
+    with pytest.raises(ConfigError, match=rf"^the tokenizer loaded from {tmp_path}/qwen2_config has no vocabulary "):
+        load(tmp_path / "qwen2_config")
     AutoConfig.for_model("mistral").save_pretrained(tmp_path / "mistral")  # its class cannot load without files
     with pytest.raises(ConfigError, match=f"^cannot load a tokenizer from {tmp_path}/mistral: .*; {save}"):
         load(tmp_path / "mistral")
