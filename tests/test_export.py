@@ -273,6 +273,24 @@ def test_fused_experts_are_written_per_expert_as_the_source_holds_them(tmp_path,
         assert all(torch.equal(written[name], tensor) for name, tensor in source.items()), folder
 
 
+@pytest.mark.parametrize("rank0_loading", ["false", "true"])
+def test_the_router_loss_is_on_for_training_only(tmp_path, rank0_loading, one_process_group):
+    """final/ keeps config.json's router settings (off, coefficient 0.001), with which batched generate works,
+    whichever rank reads the weights: rank-0 loading builds the model from its config, not through load_model."""
+    tokenizer = demo.build_tokenizer()
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, **MOE_FAMILIES["qwen3_moe"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "source")
+    cfg = parse_config(["--model_name_or_path", str(tmp_path / "source"), "--dataset_name", "x", "--mixed_precision",
+                        "no", "--output_router_logits", "true", "--router_aux_loss_coef", "0.02",
+                        "--fsdp_cpu_ram_efficient_loading", rank0_loading])
+    model = load_sharded_model(cfg, resolve_plan(cfg), torch.device("cpu"))
+    assert (model.config.output_router_logits, model.config.router_aux_loss_coef) == (True, 0.02)
+    save_hf_model(model, tokenizer, str(tmp_path / "final"), torch.float32)
+    saved = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert (saved["output_router_logits"], saved["router_aux_loss_coef"]) == (False, 0.001)
+
+
 def test_an_export_starts_afresh_from_what_a_killed_one_left(tmp_path, one_process_group):
     # A killed export of a larger model (or with a smaller max_shard_size) left final.tmp with an index and its
     # shards: kept beside the new model.safetensors, the index would make from_pretrained load the stale shards.
