@@ -42,6 +42,9 @@ def load_bench(name: str):
 
 def subprocess_env(**extra: str) -> dict:
     env = os.environ.copy()
+    # stdout buffered, as in a batch job's log file: a line a process prints must reach it however the process ends,
+    # not only where the caller's environment (this machine's sets PYTHONUNBUFFERED=1) flushes every write.
+    env.pop("PYTHONUNBUFFERED", None)
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     # Launched scripts import this checkout's package, whatever checkout the venv's editable install points at.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -1782,8 +1782,7 @@ def test_a_complete_run_resumed_on_two_ranks_says_so_once_and_every_rank_exits_0
               "    dist.init_process_group('gloo')\n"
               "    raise RunComplete('resume: the run is complete')\n"
               "run_main(main)\n")
-    # stdout buffered, as in a batch job's log file (whatever the caller's PYTHONUNBUFFERED): exit_process flushes it.
-    procs = two_ranks("-c", script, PYTHONUNBUFFERED="")
+    procs = two_ranks("-c", script)  # stdout buffered (subprocess_env): exit_process flushes it
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert [stdout for stdout, _ in outputs] == ["resume: the run is complete\n", ""], outputs

@@ -2278,15 +2278,14 @@ def test_ranks_wait_for_a_slow_build_or_rank0s_work_on_the_long_timeout_group():
     assert "exitcode  : 2" not in proc.stderr
 
 
-def two_ranks(*args: str, **env: str) -> list[subprocess.Popen]:
+def two_ranks(*args: str) -> list[subprocess.Popen]:
     """`args` started as ranks 0 and 1 without a launcher, which would stop the other rank once one exits."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     return [subprocess.Popen([sys.executable, *args], cwd=REPO, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=subprocess_env(RANK=str(rank), WORLD_SIZE="2",
-                                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                                        **env))
+                                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
             for rank in (0, 1)]
 
 
