@@ -350,6 +350,33 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
                                      "another checkpoint")
 
 
+def test_a_dcp_folder_missing_its_metadata_short_by_a_byte_or_whose_metadata_would_run_code_is_refused(
+        tiny, tmp_path, one_process_group):
+    checkpoint = small_checkpoint(tiny, tmp_path)
+    shard = f"{checkpoint}/optimizer/__0_0.distcp"
+    size = os.path.getsize(shard)
+    os.truncate(shard, size - 1)  # the last tensor's last byte: the check takes the end of the file's last item
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(checkpoint)
+    assert str(error.value) == f"{shard} is truncated: {size - 1} bytes, expected at least {size}"
+    metadata = Path(checkpoint) / "model" / ".metadata"
+    metadata.rename(metadata.with_suffix(".kept"))  # as a rank 0 killed before DCP's last write leaves it
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(checkpoint)
+    assert str(error.value) == f"{checkpoint}/model is incomplete: its .metadata file is missing"
+
+    class RunsCode:  # a .metadata crafted to run a command when unpickled
+        def __reduce__(self):
+            return os.makedirs, (str(tmp_path / "made_by_the_metadata"),)
+
+    metadata.write_bytes(pickle.dumps(RunsCode()))
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(checkpoint)
+    assert str(error.value) == (f"{checkpoint}/model/.metadata cannot be read (UnpicklingError: os.makedirs is not "
+                                f"allowed in checkpoint metadata)")
+    assert not (tmp_path / "made_by_the_metadata").exists()
+
+
 def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_path, one_process_group, monkeypatch,
                                                                       ctrl_c_interrupts):
     """DCP wraps Ctrl-C's KeyboardInterrupt during a read too: it was reported as a damaged checkpoint file, with
