@@ -8,6 +8,7 @@ world-size tests also FSDP1's.
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import pickle
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import accelerate
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -2327,6 +2329,30 @@ def test_resume_with_training_data_changed_in_place_is_refused(tiny, reference, 
     (tmp_path / "older" / "trainer_state.json").write_text(json.dumps(state))
     older = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "older"))
     assert resolve_resume(older, model, tokenizer, built("edited_again.jsonl", edited)) == str(tmp_path / "older")
+
+
+def test_the_training_data_identity_changes_with_any_token_row_boundary_order_or_selection():
+    """The identity a resume compares: equal for the same rows however the table is chunked, other for a token
+    changed anywhere (the row lengths kept), the same tokens split into other rows, or other rows or order selected."""
+    long = list(range(1500))  # more tokens than one read would hash, were it cut short
+    data = datasets.Dataset.from_dict({"input_ids": [long, [7, 8], [9]]})
+    identity = training_data_identity(data)
+    # What checkpoints have recorded (a change refuses their resume): the SHA-256 of the SHA-256s of the row lengths
+    # (int64) and of the tokens as stored (int32).
+    lengths, tokens = np.array([1500, 2, 1], np.int64), np.array(long + [7, 8, 9], np.int32)
+    assert identity == {"rows": 3, "sha256": hashlib.sha256(hashlib.sha256(lengths.tobytes()).digest()
+                                                            + hashlib.sha256(tokens.tobytes()).digest()).hexdigest()}
+    rechunked = datasets.concatenate_datasets([data.select(range(1)), data.select(range(1, 3))])
+    assert len(rechunked.data.column("input_ids").chunks) == 2 and training_data_identity(rechunked) == identity
+    changed = {
+        "last token": datasets.Dataset.from_dict({"input_ids": [long[:-1] + [0], [7, 8], [9]]}),
+        "rows split": datasets.Dataset.from_dict({"input_ids": [long, [7], [8, 9]]}),
+        "order": data.select([2, 1, 0]),
+        "selection": data.select([0, 2]),
+    }
+    assert {what: training_data_identity(d)["rows"] for what, d in changed.items()} == {
+        "last token": 3, "rows split": 3, "order": 3, "selection": 2}
+    assert len({training_data_identity(d)["sha256"] for d in changed.values()} | {identity["sha256"]}) == 5
 
 
 def test_resume_on_another_world_size_with_the_same_global_batch_continues_the_data(tiny, reference, tmp_path):
