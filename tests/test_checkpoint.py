@@ -552,6 +552,8 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full",
                                                         "--save_total_limit", "1")])
     (tmp_path / "checkpoint-1").mkdir()  # the one retention removes
+    (tmp_path / "checkpoint-2.tmp" / "rng").mkdir(parents=True)  # a killed save's, by 2 ranks: it starts afresh
+    (tmp_path / "checkpoint-2.tmp" / "rng" / "rank_1.pt").write_bytes(b"")
     model, optimizer, scheduler = training_state(cfg)
     tokenizer = load_tokenizer(cfg)  # with a named chat template: the tokenizer writes it into a folder of its own
     tokenizer.chat_template = {"default": tokenizer.chat_template, "tool_use": "{{ tools }}"}
@@ -560,6 +562,7 @@ def test_a_save_is_on_disk_before_latest_names_it(tiny, tmp_path, one_process_gr
     monkeypatch.undo()
     tmp, final = tmp_path / "checkpoint-2.tmp", tmp_path / "checkpoint-2"
     assert (final / "additional_chat_templates" / "tool_use.jinja").is_file()
+    assert os.listdir(final / "rng") == ["rank_0.pt"]
     renamed = events.index(("replace", str(tmp), str(final)))
     latest = events.index(("replace", f"{tmp_path}/latest.tmp", f"{tmp_path}/latest"))
     synced_before = {path for _, path in events[:renamed]}
