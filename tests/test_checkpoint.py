@@ -29,11 +29,12 @@ import numpy as np
 import pytest
 import torch
 from packaging.version import Version
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from tokenizers import normalizers, processors
 import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, ByT5Tokenizer, Gemma3Config, Qwen3MoeConfig,
@@ -41,8 +42,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, ByT5T
 
 
 from fsdp_recipes.checkpoint import (CheckpointError, _save_failure_remedy, apply_retention, latest_checkpoint,
-                                     load_checkpoint, point_latest_at, resolve_state_dict_type, save_checkpoint,
-                                     training_data_identity, validate_checkpoint)
+                                     load_checkpoint, load_model_weights, point_latest_at, resolve_state_dict_type,
+                                     save_checkpoint, training_data_identity, validate_checkpoint)
 from fsdp_recipes.data_formats import DEFAULT_CHAT_TEMPLATE
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.convert import convert
@@ -352,6 +353,32 @@ def test_a_damaged_shard_is_named_with_the_checkpoint(tiny, reference, tmp_path,
                                      "another checkpoint")
 
 
+def test_a_full_checkpoint_loads_every_weight_and_one_without_a_weight_or_its_file_is_refused(tiny, tmp_path,
+                                                                                               one_process_group):
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path, "--save_state_dict_type", "full")])
+    model, optimizer, scheduler = training_state(cfg)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()  # weights other than the source's, which the model below starts from
+    checkpoint = save_checkpoint(cfg, model, optimizer, scheduler, load_tokenizer(cfg), 2, 0, None)
+    resumed = shard_model(load_model(cfg), resolve_plan(cfg))
+    load_model_weights(checkpoint, "full", resumed)  # the tied output weight too: the file holds the embedding alone
+    weights = {state_dict_name(name): param for name, param in resumed.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.equal(full(weights[state_dict_name(name)]), full(param)), name
+    saved = load_file(f"{checkpoint}/model.safetensors")
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    del saved["model.norm.weight"]
+    save_file(saved, f"{checkpoint}/model.safetensors")
+    with pytest.raises(RuntimeError, match='^Error\\(s\\) in loading state_dict for FSDPLlamaForCausalLM:\n\tMissing '
+                                           'key\\(s\\) in state_dict: "model.norm.weight".'):
+        load_model_weights(checkpoint, "full", resumed)
+    os.remove(f"{checkpoint}/model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        validate_checkpoint(checkpoint)
+    assert str(error.value) == f"{checkpoint} is incomplete: model.safetensors missing"
+
+
 def test_a_dcp_folder_missing_its_metadata_short_by_a_byte_or_whose_metadata_would_run_code_is_refused(
         tiny, tmp_path, one_process_group):
     checkpoint = small_checkpoint(tiny, tmp_path)
@@ -377,6 +404,22 @@ def test_a_dcp_folder_missing_its_metadata_short_by_a_byte_or_whose_metadata_wou
     assert str(error.value) == (f"{checkpoint}/model/.metadata cannot be read (UnpicklingError: os.makedirs is not "
                                 f"allowed in checkpoint metadata)")
     assert not (tmp_path / "made_by_the_metadata").exists()
+
+
+def test_a_checkpoint_without_a_weight_of_the_model_is_refused_not_loaded_around_it(tiny, tmp_path, one_process_group):
+    # DCP's default planner loads the others and leaves that one as the model has it: a resume would go on with the
+    # source's value of a weight the run had trained.
+    cfg = parse_config([str(arg) for arg in recipe_args(tiny, tmp_path)])
+    model = shard_model(load_model(cfg), resolve_plan(cfg))
+    weights = get_model_state_dict(model)
+    del weights["model.norm.weight"]
+    dcp.save(weights, checkpoint_id=tmp_path / "checkpoint-2" / "model")
+    with pytest.raises(CheckpointError) as error:
+        load_model_weights(str(tmp_path / "checkpoint-2"), "sharded", model)
+    assert str(error.value) == (
+        f"{tmp_path}/checkpoint-2/model cannot be read (rank 0: RuntimeError: Missing key in checkpoint state_dict: "
+        f"model.norm.weight.): a file in it is damaged, or it holds another model's state. Resume from another "
+        f"checkpoint")
 
 
 def test_ctrl_c_or_out_of_memory_during_a_resume_is_not_called_damage(tiny, tmp_path, one_process_group, monkeypatch,
@@ -433,6 +476,10 @@ def test_a_parameter_that_had_no_gradient_resumes_without_optimizer_state(tiny, 
     for name, state in saved.items():
         for key, value in state.items():
             assert torch.equal(full(loaded[name][key]), full(value)), (name, key)
+    # And the weights Adam moved (FSDP1 reads them into copies, which must then be set into the model).
+    weights = {state_dict_name(name): param for name, param in resumed.named_parameters()}
+    for name, param in model.named_parameters():
+        assert torch.equal(full(weights[state_dict_name(name)]), full(param)), name
 
 
 def test_a_checkpoint_with_other_weight_decay_groups_is_refused(tiny, tmp_path, one_process_group):
