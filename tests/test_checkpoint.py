@@ -570,6 +570,12 @@ def test_the_resume_state_holds_each_key_and_a_resume_restores_each_value(tiny, 
         assert saved.keys() == loaded.keys() == {"step", "exp_avg", "exp_avg_sq"}
         for key in saved:
             assert torch.equal(full(loaded[key]), full(saved[key])), (name, key)
+    # A run made longer (12 steps) trains and logs (get_last_lr) the next step with its own schedule's LR.
+    longer, longer_optimizer, _ = model_optimizer_scheduler()
+    longer_scheduler = get_scheduler("cosine", longer_optimizer, num_warmup_steps=1, num_training_steps=12)
+    load_checkpoint(checkpoint, longer, longer_optimizer, longer_scheduler)
+    assert longer_scheduler.get_last_lr() == [g["lr"] for g in longer_optimizer.param_groups] == pytest.approx(
+        [0.01 * 0.97975] * 2, rel=1e-4)
 
 
 def test_each_rank_resumes_with_its_own_rng_states(tiny, tmp_path):
