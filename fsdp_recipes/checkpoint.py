@@ -695,6 +695,9 @@ def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
         set_model_state_dict(model, model_sd)
         return
 
+    # The keys a strict load needs, taken on every rank: FSDP's state_dict is called by all ranks or none.
+    expected = set(get_model_state_dict(model))
+
     def read_on_rank0() -> dict:
         full = {}
         for file in safetensors_files(path):
@@ -702,6 +705,15 @@ def load_model_weights(path: str, fmt: str, model: nn.Module) -> None:
                 full.update({name: f.get_tensor(name) for name in f.keys()})
         for name in tied_parameter_names(model):
             full[name] = full[_tied_source(model, name)]
+        # Refused here in a line, not in torch's load_state_dict traceback (a hand-edited file: another model's
+        # checkpoint was refused by its config.json before).
+        missing, unexpected = sorted(expected - full.keys()), sorted(full.keys() - expected)
+        if missing or unexpected:
+            named = lambda names: ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            differences = [f"lacks {named(missing)}"] * bool(missing) + [
+                f"holds {named(unexpected)}, which the model has not"] * bool(unexpected)
+            raise CheckpointError(f"{path} {' and '.join(differences)}: its weights are not this model's. Resume "
+                                  f"from another checkpoint")
         return full
 
     # The others get None: an empty dict, which the broadcast fills.
