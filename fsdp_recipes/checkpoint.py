@@ -648,11 +648,8 @@ def load_optimizer_state(path: str, model: nn.Module, optimizer) -> None:
             f"{os.path.dirname(path)} groups the parameters for weight decay otherwise than this version of the "
             f"project does (it moved {', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}; biases and norm "
             f"weights get none): resume with the version that saved it, or {train_weights_further(os.path.dirname(path))}")
+    # Optimizer.load_state_dict replaces the whole state: the absent parameters are left without any.
     set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=not absent))
-    if absent:
-        params = {state_dict_name(name): param for name, param in model.named_parameters()}
-        for fqn in absent:
-            optimizer.state.pop(params[fqn], None)
 
 
 class ExactKeysLoadPlanner(DefaultLoadPlanner):
