@@ -19,7 +19,7 @@ from fsdp_recipes.model import load_sharded_model
 from fsdp_recipes.plan import resolve_plan
 from fsdp_recipes.sharding import (build_mesh, check_master_dtype, check_tied_parameters_share_a_unit,
                                    describe_plan, find_layer_classes, gradient_sync, shard_model,
-                                   size_based_units)
+                                   size_based_units, tied_parameter_ids)
 from test_accelerate_configs import process_group_of
 
 ACCELERATE_DEFAULTS = {  # what `accelerate launch` exports for fsdp2_cpu.yaml, defaults included
@@ -425,6 +425,21 @@ def test_a_module_of_exactly_min_num_params_is_a_size_based_unit():
     assert mlp not in size_based_units(model, size + 1, tied=set())
 
 
+def test_size_based_units_leave_tied_modules_and_containers_to_the_module_above():
+    # The tied embedding and lm_head stay in the root: as two units they would shard the one weight twice.
+    model = tiny_model(tie_word_embeddings=True)
+    size = model.model.embed_tokens.weight.numel()
+    units = size_based_units(model, size, tied_parameter_ids(model))
+    assert model.model.layers[0].mlp.gate_proj in units  # 2,048 parameters to the embedding's 1,536
+    assert model.model.embed_tokens not in units and model.lm_head not in units
+    # Two layers of 9,280 under a threshold of 9,281: their ModuleList has no forward for FSDP2's hooks (torch:
+    # "fully_shard does not support containers that do not implement forward"), so LlamaModel takes them.
+    model = demo.LlamaForCausalLM(demo.tiny_llama_config(demo.build_tokenizer(), hidden_size=32, intermediate_size=64,
+                                                         num_hidden_layers=2))
+    assert sum(p.numel() for p in model.model.layers[0].parameters()) == 9280
+    assert size_based_units(model, 9281, tied=set()) == [model.model]
+
+
 def test_the_plan_names_the_layer_classes_checkpointed_and_compiled_when_not_the_decoder_layers(accelerate_env):
     for classes, applied_to in [(None, "each decoder layer"), ("LlamaMLP", "each LlamaMLP")]:
         args = ["--fsdp_transformer_layer_cls_to_wrap", classes] if classes else []
@@ -547,7 +562,7 @@ def test_layer_class_comes_from_the_model_and_a_wrong_name_lists_its_classes():
         find_layer_classes(model, ["LlamaDecoderLayer", "LlamaForCausalLM"])
 
 
-def test_a_tied_parameter_split_over_two_units_is_refused():
+def test_a_tied_parameter_split_over_two_units_is_refused(monkeypatch):
     # fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer,Embedding: the embedding becomes a unit of its own,
     # while lm_head, which shares its weight, stays in the root.
     model = tiny_model(tie_word_embeddings=True)
@@ -576,6 +591,12 @@ def test_a_tied_parameter_split_over_two_units_is_refused():
     with pytest.raises(ConfigError, match=r"leave LlamaModel out of the classes wrapped \(set fsdp_auto_wrap_policy "
                                           r"SIZE_BASED_WRAP, which keeps tied modules in the root\)$"):
         check_tied_parameters_share_a_unit(model, [model.model])
+    # Sharding checks the units it chose, before torch's unreadable error (or, on torch 2.11, FSDP2's silent untying).
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plan = plan_for("--mixed_precision", "no", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer,Embedding")
+    with process_group_of(2), pytest.raises(ConfigError, match=r"^model.embed_tokens.weight is tied \(shared\) across "
+                                                              r"FSDP units \(model.embed_tokens, the root\)"):
+        shard_model(tiny_model(tie_word_embeddings=True), plan, torch.device("cpu"))
 
 
 def test_master_weights_must_have_the_planned_dtype(monkeypatch):
