@@ -9,9 +9,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import BackwardPrefetch, FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from torch.distributed.tensor import DTensor
 from transformers import MambaConfig, MambaForCausalLM
 
-from fsdp_recipes import demo, fsdp1
+from fsdp_recipes import demo, fsdp1, sharding
 from fsdp_recipes.checkpoint import resolve_state_dict_type
 from fsdp_recipes.config import ConfigError, parse_config
 from fsdp_recipes.estimate import fsdp_groups
@@ -540,6 +541,30 @@ def test_the_plan_names_the_dtype_gradients_accumulate_in_between_syncs(monkeypa
     in_bf16 = " in bf16" if held == {torch.bfloat16} else ""
     assert (f"  gradient sync: last micro-batch of each step, full gradients accumulate{in_bf16} in between"
             in describe_plan(model, plan).splitlines())
+
+
+def test_fsdp2_leaves_only_shards_after_a_synced_backward_and_after_reshard(monkeypatch, one_process_group):
+    # A module holds a plain tensor while gathered, its sharded DTensor once resharded. The optimizer updates the
+    # shards: a unit still gathered at the next forward would compute with the weights from before the step.
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    plan = plan_for("--mixed_precision", "no", "--fsdp_reshard_after_forward", "false", "--gradient_sync",
+                    "last_micro_batch", "--gradient_accumulation_steps", "2")
+    model = shard_model(tiny_model(), plan, torch.device("cpu"))
+    ids = torch.arange(8).unsqueeze(0)
+
+    def sharded() -> set[bool]:
+        return {isinstance(param, DTensor) for param in model.parameters()}
+
+    with torch.no_grad():  # an evaluation: no backward to reshard after
+        model(input_ids=ids)
+    assert sharded() == {False}
+    sharding.reshard(model)
+    assert sharded() == {True}
+    with gradient_sync(model, enabled=False):  # the root, and layers not resharded after forward, stay gathered
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert sharded() == {False}
+    model(input_ids=ids, labels=ids).loss.backward()  # the last micro-batch syncs and reshards everything
+    assert sharded() == {True}
 
 
 def test_layer_class_names_may_have_spaces_around_the_commas(accelerate_env):
