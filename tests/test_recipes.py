@@ -618,6 +618,12 @@ class Block(nn.Module):
         self.linear = nn.Linear(4, 4)
 
 
+class OtherBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+
 class CustomModel(nn.Module):
     def __init__(self, num_hidden_layers: int):
         super().__init__()
@@ -633,6 +639,12 @@ def test_decoder_layers_found_without_no_split_modules(capsys):
                                           "one of: Block"):
         find_layer_classes(CustomModel(num_hidden_layers=2), None)
     assert find_layer_classes(CustomModel(num_hidden_layers=2), ["Block"]) == (Block,)
+    # Layers of two classes: wrapping the first one's would leave the others whole on every rank, in the root.
+    mixed = CustomModel(num_hidden_layers=3)
+    mixed.blocks[1] = OtherBlock()
+    with pytest.raises(ConfigError, match="no single nn.ModuleList of config.num_hidden_layers=3 modules of one class.* "
+                                          "e.g. one of: Block, OtherBlock$"):
+        find_layer_classes(mixed, None)
     # _no_split_modules naming none of the model's classes is as good as none, and the line says so.
     misdeclared = CustomModel(num_hidden_layers=3)
     misdeclared._no_split_modules = ["DecoderLayer"]
