@@ -133,9 +133,12 @@ def build_mesh(plan: ShardingPlan, device: torch.device) -> DeviceMesh:
         plan.mesh_shape = (world,)
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     # FSDP1 HYBRID_SHARD's default: replicate across nodes, shard within a node.
-    replicate = plan.dp_replicate_size or world // int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % replicate:
-        raise ConfigError(f"dp_replicate_size {replicate} does not divide the {ranks(world)}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    replicate = plan.dp_replicate_size or world // local
+    if world % replicate:  # without dp_replicate_size (plan.py refuses one that does not divide): unequal nodes
+        raise ConfigError(f"FSDP1 HYBRID_SHARD replicates once per node, and the {ranks(world)} do not make nodes of "
+                          f"{local} (this node's processes): start as many on every node, or set dp_replicate_size to "
+                          f"a divisor of {world}")
     if plan.fsdp_version == 1 and replicate == world > 1:
         # torch then switches to NO_SHARD within the 1-rank shard group and never all-reduces across replicas.
         replicas = (f"dp_replicate_size {replicate}" if plan.dp_replicate_size else

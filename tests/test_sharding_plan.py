@@ -681,3 +681,11 @@ def test_fsdp1_hybrid_shard_refuses_shard_groups_of_one_rank_but_runs_as_one_pro
         plan = plan_for(*hybrid)
         build_mesh(plan, torch.device("cpu"))
     assert plan.mesh_shape == (1, 1)
+    # 7 processes, 3 on this node: no replica per node can be made of them (a node started with another count).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "7")
+    with process_group_of(7), pytest.raises(ConfigError) as error:
+        build_mesh(plan_for(*hybrid), torch.device("cpu"))
+    assert str(error.value) == ("FSDP1 HYBRID_SHARD replicates once per node, and the 7 ranks do not make nodes of 3 "
+                                "(this node's processes): start as many on every node, or set dp_replicate_size to a "
+                                "divisor of 7")
